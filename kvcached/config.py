@@ -1,0 +1,146 @@
+"""Every ``KVCACHED_*`` environment variable, parsed and validated in one place.
+
+Values are read when asked for (not frozen at import) so that a process, or a
+test, can change them before ``init_kvcached``. A bad value raises
+:class:`KVCachedConfigError` naming the variable, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvcached.errors import KVCachedConfigError
+
+MiB = 1 << 20
+BASE_PAGE = 2 * MiB  # every backend's mapping granularity divides this
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def env_bool(name: str, default: bool | None) -> bool | None:
+    value = _raw(name)
+    if value is None:
+        return default
+    low = value.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise KVCachedConfigError(
+        f"{name}={value!r} is not a boolean; use one of true/false, 1/0, yes/no, on/off."
+    )
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise KVCachedConfigError(f"{name}={value!r} is not an integer.") from None
+    if minimum is not None and parsed < minimum:
+        raise KVCachedConfigError(f"{name}={parsed} must be at least {minimum}.")
+    return parsed
+
+
+def env_float(name: str, default: float, *, low: float, high: float) -> float:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        parsed = float(value)
+    except ValueError:
+        raise KVCachedConfigError(f"{name}={value!r} is not a number.") from None
+    if not (low <= parsed <= high):
+        raise KVCachedConfigError(f"{name}={parsed} must lie in [{low}, {high}].")
+    return parsed
+
+
+def page_size() -> int:
+    """Bytes of one page of one layer's K (or V): ``KVCACHED_PAGE_SIZE_MB``, default 2."""
+    mb = env_int("KVCACHED_PAGE_SIZE_MB", 2, minimum=1)
+    if (mb * MiB) % BASE_PAGE:
+        raise KVCachedConfigError(
+            f"KVCACHED_PAGE_SIZE_MB={mb} must be a multiple of 2 (MiB): GPU drivers map "
+            "memory in 2 MiB granules."
+        )
+    return mb * MiB
+
+
+def backend_override() -> str | None:
+    """``KVCACHED_BACKEND``: force ``cuda``, ``hip`` or ``host``; unset = from the device."""
+    value = _raw("KVCACHED_BACKEND")
+    if value is None:
+        return None
+    low = value.lower()
+    if low not in ("cuda", "hip", "host"):
+        raise KVCachedConfigError(
+            f"KVCACHED_BACKEND={value!r} is not one of cuda, hip, host (or unset it)."
+        )
+    return low
+
+
+def contiguous_layout_override() -> bool | None:
+    """``KVCACHED_CONTIGUOUS_LAYOUT``: True/False when set, None for the backend default."""
+    return env_bool("KVCACHED_CONTIGUOUS_LAYOUT", None)
+
+
+@dataclass(frozen=True)
+class ReserveConfig:
+    min_reserved_pages: int
+    max_reserved_pages: int
+    prealloc: bool
+
+
+def reserve_config() -> ReserveConfig:
+    lo = env_int("KVCACHED_MIN_RESERVED_PAGES", 5, minimum=0)
+    hi = env_int("KVCACHED_MAX_RESERVED_PAGES", 10, minimum=0)
+    if lo > hi:
+        raise KVCachedConfigError(
+            f"KVCACHED_MIN_RESERVED_PAGES={lo} exceeds KVCACHED_MAX_RESERVED_PAGES={hi}; "
+            "the minimum must not be larger than the maximum."
+        )
+    prealloc = env_bool("KVCACHED_PAGE_PREALLOC_ENABLED", True)
+    return ReserveConfig(lo, hi, bool(prealloc))
+
+
+def host_memory_limit() -> int:
+    """Physical budget of the host backend, ``KVCACHED_HOST_MEM_LIMIT_MB`` (default 4096)."""
+    return env_int("KVCACHED_HOST_MEM_LIMIT_MB", 4096, minimum=1) * MiB
+
+
+def gpu_utilization() -> float:
+    """Largest fraction of device memory the pool may map, ``KVCACHED_GPU_UTILIZATION``."""
+    return env_float("KVCACHED_GPU_UTILIZATION", 0.95, low=0.01, high=1.0)
+
+
+def max_cached_tokens() -> int:
+    """Tokens kept as evictable prefix cache, ``KVCACHED_MAX_CACHED_TOKENS`` (<0: unlimited)."""
+    return env_int("KVCACHED_MAX_CACHED_TOKENS", 16000)
+
+
+def sanity_check() -> bool:
+    return bool(env_bool("KVCACHED_SANITY_CHECK", False))
+
+
+def log_level() -> str:
+    value = (_raw("KVCACHED_LOG_LEVEL") or "INFO").upper()
+    if value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise KVCachedConfigError(
+            f"KVCACHED_LOG_LEVEL={value!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL."
+        )
+    return value
+
+
+def ipc_name_override() -> str | None:
+    return _raw("KVCACHED_IPC_NAME")

@@ -1,0 +1,302 @@
+"""KV-cache layouts, defined once.
+
+Everything that needs to know where a byte of KV lives (the page allocator, the
+view builders, the Triton kernels' tests, the benchmarks) takes it from here.
+
+Units. A *block* is ``block_size`` tokens of one layer and one of K/V:
+``block_bytes = block_size * num_kv_heads * head_size * itemsize``. A *page* is
+``page_size`` bytes of one layer and one of K/V (``KVCACHED_PAGE_SIZE_MB``), so it
+holds ``blocks_per_page = page_size // block_bytes`` blocks; a block size that
+does not divide the page is an error, so no block ever straddles two pages.
+The allocator hands out *page indices*: page ``p`` holds blocks
+``[p * blocks_per_page, (p + 1) * blocks_per_page)`` of **every** layer and of
+both K and V, so one page index is ``num_layers * kv_factor * page_size`` bytes of
+physical memory (one physical allocation, sliced across the regions below).
+
+Layouts (``kv`` is 0 for K, 1 for V; ``N`` the padded number of blocks):
+
+* ``CONTIGUOUS`` -- one virtual tensor laid out ``[N, num_layers, kv_factor, block]``:
+  all layers of a block sit side by side, so page ``p`` is one contiguous range
+  and costs one map call. Layer ``l``'s K tensor is a strided view whose block
+  stride is ``num_layers * kv_factor`` blocks.
+* ``PER_LAYER`` -- one virtual tensor per layer laid out ``[kv_factor, N, block]``
+  (K half, then V half): each layer's K and V are dense, which is what vendor
+  kernels that ignore strides expect. Page ``p`` is ``num_layers * kv_factor``
+  ranges of ``page_size`` bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from kvcached.errors import KVCachedConfigError
+
+# Engines name their view shapes; these are the ones we build.
+FLASH_ATTN = "flash_attn"  # vLLM FlashAttention/Triton style: (2, N, block_size, H, D)
+FLASHINFER = "flashinfer"  # FlashInfer style: (N, 2, block_size, H, D)
+VIEW_STYLES = (FLASH_ATTN, FLASHINFER)
+
+SUPPORTED_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2,
+    torch.uint8,
+    torch.int8,
+)
+
+
+class Layout(str, Enum):
+    CONTIGUOUS = "contiguous"
+    PER_LAYER = "per_layer"
+
+    @classmethod
+    def parse(cls, value: Layout | str | bool) -> Layout:
+        """Accept a Layout, its name, or the kvcached-style ``contiguous: bool``."""
+        if isinstance(value, Layout):
+            return value
+        if isinstance(value, bool):
+            return cls.CONTIGUOUS if value else cls.PER_LAYER
+        try:
+            return cls(str(value).lower().replace("-", "_"))
+        except ValueError:
+            raise KVCachedConfigError(
+                f"unknown KV layout {value!r}; use 'contiguous' or 'per_layer'."
+            ) from None
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What the engine asks for: model geometry and how many blocks (virtually)."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    kv_factor: int = 2  # 2: K and V; 1: a single latent (MLA) or K-only cache
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise KVCachedConfigError(f"{name} must be a positive int, got {value!r}.")
+        if self.kv_factor not in (1, 2):
+            raise KVCachedConfigError(f"kv_factor must be 1 or 2, got {self.kv_factor!r}.")
+        if self.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise KVCachedConfigError(f"KV dtype {self.dtype} is not supported; use one of {names}.")
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_elems(self) -> int:
+        return self.block_size * self.num_kv_heads * self.head_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_elems * self.itemsize
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where page index ``p`` lands in one virtual tensor: ``[base + p*size, +size)``."""
+
+    tensor: int
+    base: int
+    size: int
+
+
+@dataclass(frozen=True)
+class LayerStrides:
+    """Layer ``l``'s K (kv=0) / V (kv=1) blocks, in elements of the KV dtype.
+
+    Element ``(block n, kv k, i)`` of layer ``l`` is at
+    ``offset + n * block_stride + k * kv_stride + i`` of tensor ``tensor``.
+    """
+
+    tensor: int
+    offset: int
+    block_stride: int
+    kv_stride: int
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    spec: KVSpec
+    layout: Layout
+    page_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", Layout.parse(self.layout))
+        bb = self.spec.block_bytes
+        if self.page_size <= 0 or self.page_size % (2 << 20):
+            raise KVCachedConfigError(
+                f"page size {self.page_size} B is not a positive multiple of 2 MiB."
+            )
+        if bb > self.page_size or self.page_size % bb:
+            raise KVCachedConfigError(
+                f"a KV block of {bb} B (block_size={self.spec.block_size} x "
+                f"{self.spec.num_kv_heads} heads x {self.spec.head_size} x "
+                f"{self.spec.itemsize} B) does not divide the {self.page_size >> 20} MiB page, "
+                "so blocks would straddle pages; pick a power-of-two block size or head "
+                "size, or set KVCACHED_PAGE_SIZE_MB to a multiple of the block size."
+            )
+
+    # -- sizes -------------------------------------------------------------
+    @property
+    def blocks_per_page(self) -> int:
+        return self.page_size // self.spec.block_bytes
+
+    @property
+    def num_pages(self) -> int:
+        return math.ceil(self.spec.num_blocks / self.blocks_per_page)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks addressable after rounding up to whole pages."""
+        return self.num_pages * self.blocks_per_page
+
+    @property
+    def page_group_bytes(self) -> int:
+        """Physical bytes behind one page index (all layers, K and V)."""
+        return self.spec.num_layers * self.spec.kv_factor * self.page_size
+
+    @property
+    def num_tensors(self) -> int:
+        return 1 if self.layout is Layout.CONTIGUOUS else self.spec.num_layers
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Virtual size of each virtual tensor."""
+        return self.num_pages * self.page_group_bytes // self.num_tensors
+
+    @property
+    def unit_bytes(self) -> int:
+        """Size of one mapped range in a tensor (the zero page is mapped at this grain)."""
+        return self.regions()[0].size
+
+    # -- where things are --------------------------------------------------
+    def regions(self) -> list[Region]:
+        """Ranges that page index ``p`` maps, in the order the physical page is sliced."""
+        s, ps = self.spec, self.page_size
+        if self.layout is Layout.CONTIGUOUS:
+            return [Region(0, 0, self.page_group_bytes)]
+        half = self.num_pages * ps
+        return [Region(layer, k * half, ps) for layer in range(s.num_layers) for k in range(s.kv_factor)]
+
+    def layer_strides(self, layer: int) -> LayerStrides:
+        s = self.spec
+        if not 0 <= layer < s.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {s.num_layers}).")
+        e = s.block_elems
+        if self.layout is Layout.CONTIGUOUS:
+            return LayerStrides(0, layer * s.kv_factor * e, s.num_layers * s.kv_factor * e, e)
+        return LayerStrides(layer, 0, e, self.num_blocks * e)
+
+    def page_of_block(self, block: int) -> int:
+        return block // self.blocks_per_page
+
+    def block_byte_offset(self, layer: int, kv: int, block: int) -> tuple[int, int]:
+        """(tensor index, byte offset) of the first byte of one block."""
+        st = self.layer_strides(layer)
+        elems = st.offset + block * st.block_stride + kv * st.kv_stride
+        return st.tensor, elems * self.spec.itemsize
+
+
+# -- views -----------------------------------------------------------------
+def _typed(base: torch.Tensor, geom: KVGeometry) -> torch.Tensor:
+    if base.dtype != torch.uint8 or base.dim() != 1:
+        raise ValueError(f"layout base tensors must be 1-D uint8, got {base.dtype} {tuple(base.shape)}.")
+    if base.numel() < geom.tensor_bytes:
+        raise ValueError(f"base tensor of {base.numel()} B is smaller than the layout's {geom.tensor_bytes} B.")
+    return base.view(geom.spec.dtype)
+
+
+def _check_bases(bases: list[torch.Tensor], geom: KVGeometry) -> None:
+    if len(bases) != geom.num_tensors:
+        raise ValueError(f"{geom.layout.value} layout needs {geom.num_tensors} base tensors, got {len(bases)}.")
+
+
+def kv_cache_view(bases: list[torch.Tensor], geom: KVGeometry, layer: int, style: str = FLASH_ATTN) -> torch.Tensor:
+    """Layer ``layer``'s KV cache as the engine expects it, zero-copy.
+
+    ``flash_attn``: ``(2, N, block_size, H, D)``; ``flashinfer``: ``(N, 2, block_size, H, D)``.
+    """
+    _check_bases(bases, geom)
+    s = geom.spec
+    if s.kv_factor != 2:
+        raise ValueError("kv_cache_view needs K and V (kv_factor=2); use mla_view for a latent cache.")
+    st = geom.layer_strides(layer)
+    inner = (s.block_size, s.num_kv_heads, s.head_size)
+    inner_strides = (s.num_kv_heads * s.head_size, s.head_size, 1)
+    if style == FLASH_ATTN:
+        size = (2, geom.num_blocks) + inner
+        stride = (st.kv_stride, st.block_stride) + inner_strides
+    elif style == FLASHINFER:
+        size = (geom.num_blocks, 2) + inner
+        stride = (st.block_stride, st.kv_stride) + inner_strides
+    else:
+        raise ValueError(f"unknown view style {style!r}; use one of {VIEW_STYLES}.")
+    return torch.as_strided(_typed(bases[st.tensor], geom), size, stride, st.offset)
+
+
+def k_v_views(bases: list[torch.Tensor], geom: KVGeometry, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s K and V caches, each ``[N, block_size, H, D]`` (strided)."""
+    return kv_cache_view(bases, geom, layer, FLASH_ATTN).unbind(0)
+
+
+def mla_view(bases: list[torch.Tensor], geom: KVGeometry, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s latent cache ``(N, block_size, head_size)`` (MLA: kv_factor=1, H=1)."""
+    _check_bases(bases, geom)
+    s = geom.spec
+    if s.kv_factor != 1 or s.num_kv_heads != 1:
+        raise ValueError("mla_view needs kv_factor=1 and num_kv_heads=1.")
+    st = geom.layer_strides(layer)
+    return torch.as_strided(
+        _typed(bases[st.tensor], geom),
+        (geom.num_blocks, s.block_size, s.head_size),
+        (st.block_stride, s.head_size, 1),
+        st.offset,
+    )
+
+
+def sglang_buffers(bases: list[torch.Tensor], geom: KVGeometry, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang per-token K and V buffers ``[N * block_size, H, D]`` for one layer.
+
+    A per-token buffer needs one token stride everywhere, which holds when
+    blocks are dense per layer (per-layer layout) or one token long (SGLang's
+    default page size of 1).
+    """
+    _check_bases(bases, geom)
+    s = geom.spec
+    if s.kv_factor != 2:
+        raise ValueError("sglang_buffers needs K and V (kv_factor=2).")
+    st = geom.layer_strides(layer)
+    token = s.num_kv_heads * s.head_size
+    if s.block_size != 1 and st.block_stride != s.block_size * token:
+        raise KVCachedConfigError(
+            "SGLang per-token buffers on the contiguous layout need block_size=1 (page_size=1 "
+            f"in SGLang), got {s.block_size}; use page size 1 or KVCACHED_CONTIGUOUS_LAYOUT=false."
+        )
+    token_stride = st.block_stride // s.block_size
+    typed = _typed(bases[st.tensor], geom)
+    size = (geom.num_blocks * s.block_size, s.num_kv_heads, s.head_size)
+    stride = (token_stride, s.head_size, 1)
+    k = torch.as_strided(typed, size, stride, st.offset)
+    v = torch.as_strided(typed, size, stride, st.offset + st.kv_stride)
+    return k, v
+
+
+def allocate_plain(geom: KVGeometry, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Ordinary (non-VMM) base tensors with the layout's sizes: for tests and kernels' users."""
+    return [torch.empty(geom.tensor_bytes, dtype=torch.uint8, device=device) for _ in range(geom.num_tensors)]
