@@ -1,0 +1,43 @@
+"""Vendor facts the kernels need, and the record of a compilable kernel variant."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_hip() -> bool:
+    return bool(getattr(torch.version, "hip", None))
+
+
+def fp8_kv_dtype() -> torch.dtype:
+    """The fp8 KV-cache dtype of this vendor: e4m3fnuz on AMD (MI300), e4m3fn on NVIDIA."""
+    return torch.float8_e4m3fnuz if is_hip() else torch.float8_e4m3fn
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class CompileVariant:
+    """One kernel specialisation a dispatcher can pick, compilable ahead of time.
+
+    ``signature`` maps every non-constexpr argument to a Triton type string
+    (``"*bf16"``, ``"i32"``, ``"fp32"``...); ``constexprs`` maps the constexpr
+    arguments to values. ``options`` are compile options such as ``num_warps``,
+    ``num_stages`` and, on HIP, ``waves_per_eu``.
+    """
+
+    name: str
+    fn: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: set up .venv (idempotent), then run a job.
+#   bash scripts/dev.sh demo   -> the main job (GPU if present, else the host backend)
+#   bash scripts/dev.sh test   -> the whole CPU test suite (+ AOT compile check, + lint)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+job="${1:-demo}"; shift || true
+PY=.venv/bin/python
+
+setup() {
+  if [ ! -x "$PY" ]; then python3 -m venv .venv; fi
+  if ! "$PY" -c "import torch, triton, pybind11, pytest, hypothesis, einops" 2>/dev/null; then
+    # torch 2.13 CPU build first, so nothing pulls a multi-GB CUDA build.
+    if ! "$PY" -c "import torch" 2>/dev/null; then
+      "$PY" -m pip install -q "torch==2.13.0"
+    fi
+    "$PY" -m pip install -q "triton>=3.6" pybind11 einops numpy pytest hypothesis ruff setuptools wheel
+  fi
+  if ! "$PY" -c "import kvcached._vmm" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
+    "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+    touch .venv/.kvcached-built
+  fi
+}
+
+case "$job" in
+  setup) setup ;;
+  demo) setup; exec "$PY" -m kvcached.demo "$@" ;;
+  test)
+    setup
+    "$PY" -m ruff check kvcached tests benchmarks
+    "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90
+    exec "$PY" -m pytest -q "$@" ;;
+  *) echo "usage: bash scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+esac
