@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build the extension, run the GPU tests, the benchmarks
+# and the compile check; everything lands under $OUT (logs + results tarball).
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|vmm|kernels|quick]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"
+OUT="${OUT:-/tmp/kvcached_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/session.log"; }
+
+log "machine"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } | tee -a "$OUT/session.log"
+
+log "build"
+# FACTS.md: the image's default g++ breaks ABI with torch; the system one works.
+CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 \
+  || { tail -30 "$OUT/build.log"; exit 1; }
+
+if [[ "$what" == all || "$what" == tests ]]; then
+  log "gpu tests"
+  timeout 300 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+fi
+if [[ "$what" == all || "$what" == vmm ]]; then
+  log "bench_vmm"
+  timeout 180 python3 benchmarks/bench_vmm.py --device cuda 2>&1 | tail -60 | tee "$OUT/bench_vmm.log"
+fi
+if [[ "$what" == all || "$what" == kernels || "$what" == quick ]]; then
+  log "bench_kernels"
+  mode=""; [[ "$what" == quick ]] && mode="--quick"
+  timeout 420 python3 benchmarks/bench_kernels.py $mode 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
+fi
+log "collect"
+tar czf "$OUT/results.tar.gz" benchmarks/results
+log "done"

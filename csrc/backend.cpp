@@ -1,0 +1,100 @@
+#include "backend.h"
+
+#include <cstdio>
+
+namespace kvc {
+
+void log_warning(const std::string& msg) noexcept {
+  std::fprintf(stderr, "[kvcached._vmm] warning: %s\n", msg.c_str());
+}
+
+void Backend::set_host_limit(size_t) {
+  throw_value("set_host_limit only applies to the host backend, not '" + kind + "'.");
+}
+
+void Backend::check_aligned(const char* what, size_t value) const {
+  if (value == 0 || value % granularity) {
+    throw_value(std::string(what) + " = " + std::to_string(value) + " B is not a positive multiple of the " +
+                kind + " mapping granularity (" + std::to_string(granularity) + " B); round it up.");
+  }
+}
+
+void Backend::unmap_units(uintptr_t ptr, size_t size, size_t unit) {
+  if (size <= unit || range_unmap_.load() < 0) {
+    for (size_t off = 0; off < size; off += unit) unmap(ptr + off, unit);
+    return;
+  }
+  try {
+    unmap(ptr, size);
+    range_unmap_.store(1);
+    return;
+  } catch (const Error& e) {
+    if (e.kind != ErrKind::Driver || range_unmap_.load() > 0) throw;
+    range_unmap_.store(-1);  // this driver wants one call per mapping; remember it
+  }
+  for (size_t off = 0; off < size; off += unit) unmap(ptr + off, unit);
+}
+
+void Backend::probe_map_offset() noexcept {
+  // Some drivers only map an allocation from its start (HIP documents "offset must be 0").
+  Handle h = 0;
+  uintptr_t va = 0;
+  try {
+    h = create(2 * granularity);
+    va = reserve(granularity);
+    map(va, granularity, h, granularity);
+    unmap(va, granularity);
+    map_offset_ok_ = true;
+  } catch (const Error&) {
+    map_offset_ok_ = false;
+  }
+  if (va) free_va(va, granularity);
+  if (h) release(h);
+}
+
+std::shared_ptr<ZeroPage> Backend::zero_page(size_t size) {
+  std::lock_guard<std::mutex> lk(zero_mu_);
+  auto it = zero_pages_.find(size);
+  if (it != zero_pages_.end()) {
+    if (auto zp = it->second.lock()) return zp;
+  }
+  Handle h = create(size);
+  if (!creates_zeroed()) {
+    // Fresh physical memory is not guaranteed to be zero on GPUs: map it once and clear it.
+    uintptr_t va = 0;
+    bool mapped = false;
+    try {
+      va = reserve(size);
+      map(va, size, h, 0);
+      mapped = true;
+      set_access(va, size);
+      memset_zero(va, size);
+      mapped = false;
+      unmap(va, size);
+    } catch (...) {
+      try {
+        if (mapped) unmap(va, size);
+      } catch (...) {
+      }
+      if (va) free_va(va, size);
+      release(h);
+      throw;
+    }
+    free_va(va, size);
+  }
+  auto zp = std::shared_ptr<ZeroPage>(new ZeroPage{this, h, size});
+  zero_pages_[size] = zp;
+  return zp;
+}
+
+ZeroPage::~ZeroPage() { backend->release(handle); }
+
+std::shared_ptr<Backend> make_backend(const std::string& kind, int device, size_t host_limit_bytes) {
+  if (device < 0) throw_value("device must be >= 0, got " + std::to_string(device) + ".");
+  if (kind == "host" || kind == "cpu") return make_host_backend(host_limit_bytes);
+  if (kind == "cuda") return make_cuda_backend(device);
+  if (kind == "hip" || kind == "rocm") return make_hip_backend(device);
+  throw_value("unknown backend '" + kind + "'; use 'cuda', 'hip' or 'host'.");
+}
+
+}  // namespace kvc

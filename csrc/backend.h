@@ -1,0 +1,83 @@
+// One interface over the CUDA driver, the HIP runtime and host memory (memfd + mmap).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "errors.h"
+
+namespace kvc {
+
+using Handle = uint64_t;  // a physical allocation (CUmemGenericAllocationHandle, hip handle, host offset)
+
+class Backend;
+
+// The shared zero page: one physical allocation of `size` bytes mapped at many addresses.
+struct ZeroPage {
+  Backend* backend;
+  Handle handle;
+  size_t size;
+  ~ZeroPage();
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  std::string kind;
+  int device = 0;
+  size_t granularity = 0;
+
+  // Virtual address space.
+  virtual uintptr_t reserve(size_t size) = 0;
+  virtual void free_va(uintptr_t ptr, size_t size) noexcept = 0;
+  // Physical memory.
+  virtual Handle create(size_t size) = 0;
+  virtual void release(Handle h) noexcept = 0;
+  // Mapping. `offset` into the allocation must be 0 unless map_offset_ok.
+  virtual void map(uintptr_t ptr, size_t size, Handle h, size_t offset) = 0;
+  virtual void unmap(uintptr_t ptr, size_t size) = 0;
+  virtual void set_access(uintptr_t ptr, size_t size) = 0;
+  virtual void memset_zero(uintptr_t ptr, size_t size) = 0;
+  // True when create() always returns zeroed memory (host: fresh or hole-punched memfd).
+  virtual bool creates_zeroed() const { return false; }
+
+  virtual std::pair<size_t, size_t> mem_info() = 0;
+  virtual void set_host_limit(size_t bytes);
+  virtual std::pair<int, int> dlpack_device() const = 0;
+
+  size_t physical_bytes() const { return physical_.load(std::memory_order_relaxed); }
+  bool map_offset_ok() const { return map_offset_ok_; }
+
+  // Unmaps [ptr, ptr+size) made of mappings of `unit` bytes each: one call when the
+  // driver accepts a range spanning several mappings, else one call per unit.
+  void unmap_units(uintptr_t ptr, size_t size, size_t unit);
+
+  std::shared_ptr<ZeroPage> zero_page(size_t size);
+
+  void check_aligned(const char* what, size_t value) const;
+
+ protected:
+  void probe_map_offset() noexcept;
+  std::atomic<size_t> physical_{0};
+  bool map_offset_ok_ = false;
+
+ private:
+  std::atomic<int> range_unmap_{0};  // 0 unknown, 1 works, -1 refused
+  std::mutex zero_mu_;
+  std::map<size_t, std::weak_ptr<ZeroPage>> zero_pages_;
+};
+
+std::shared_ptr<Backend> make_backend(const std::string& kind, int device, size_t host_limit_bytes);
+std::shared_ptr<Backend> make_host_backend(size_t limit);
+std::shared_ptr<Backend> make_cuda_backend(int device);
+std::shared_ptr<Backend> make_hip_backend(int device);
+size_t host_resident_bytes(Backend& b);
+
+}  // namespace kvc

@@ -1,0 +1,73 @@
+// Per-call latency of the raw backend calls, timed in C++ (no Python overhead).
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+
+namespace kvc {
+
+std::map<std::string, std::vector<double>> bench_driver_calls(Backend& b, int64_t num_pages, size_t page_bytes) {
+  if (num_pages <= 0) throw_value("num_pages must be positive, got " + std::to_string(num_pages) + ".");
+  b.check_aligned("page_bytes", page_bytes);
+  using clk = std::chrono::steady_clock;
+  auto us = [](clk::time_point a, clk::time_point z) { return std::chrono::duration<double, std::micro>(z - a).count(); };
+  std::map<std::string, std::vector<double>> out;
+  size_t n = static_cast<size_t>(num_pages);
+  size_t total = n * page_bytes;
+  for (int i = 0; i < 8; ++i) {
+    auto t0 = clk::now();
+    uintptr_t va = b.reserve(total);
+    auto t1 = clk::now();
+    b.free_va(va, total);
+    auto t2 = clk::now();
+    out["reserve"].push_back(us(t0, t1));
+    out["free_va"].push_back(us(t1, t2));
+  }
+  uintptr_t va = b.reserve(total);
+  std::vector<Handle> hs;
+  try {
+    for (size_t i = 0; i < n; ++i) {
+      auto t0 = clk::now();
+      hs.push_back(b.create(page_bytes));
+      out["create"].push_back(us(t0, clk::now()));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      auto t0 = clk::now();
+      b.map(va + i * page_bytes, page_bytes, hs[i], 0);
+      out["map"].push_back(us(t0, clk::now()));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      auto t0 = clk::now();
+      b.set_access(va + i * page_bytes, page_bytes);
+      out["set_access"].push_back(us(t0, clk::now()));
+    }
+    auto t0 = clk::now();
+    b.set_access(va, total);
+    out["set_access_all_pages_once"].push_back(us(t0, clk::now()));
+    for (size_t i = 0; i < n; ++i) {
+      auto t1 = clk::now();
+      b.unmap(va + i * page_bytes, page_bytes);
+      out["unmap"].push_back(us(t1, clk::now()));
+    }
+    for (size_t i = 0; i < n; ++i) b.map(va + i * page_bytes, page_bytes, hs[i], 0);
+    t0 = clk::now();
+    b.unmap_units(va, total, page_bytes);
+    out["unmap_all_pages_once"].push_back(us(t0, clk::now()));
+    for (size_t i = 0; i < n; ++i) {
+      auto t1 = clk::now();
+      b.release(hs[i]);
+      out["release"].push_back(us(t1, clk::now()));
+    }
+    hs.clear();
+  } catch (...) {
+    for (Handle h : hs) b.release(h);
+    b.free_va(va, total);
+    throw;
+  }
+  b.free_va(va, total);
+  return out;
+}
+
+}  // namespace kvc

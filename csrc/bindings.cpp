@@ -1,0 +1,173 @@
+// Python module kvcached._vmm (see docs/design.md for the contract).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "backend.h"
+#include "dlpack.h"
+#include "vtensor.h"
+
+namespace py = pybind11;
+
+namespace kvc {
+size_t host_resident_bytes(Backend& b);
+void stop_all_prealloc_threads() noexcept;
+void bind_allocators(pybind11::module_& m);
+std::map<std::string, std::vector<double>> bench_driver_calls(Backend& b, int64_t num_pages, size_t page_bytes);
+}  // namespace kvc
+
+namespace {
+
+using namespace kvc;
+
+PyObject* g_driver_error = nullptr;
+PyObject* g_lib_error = nullptr;
+PyObject* g_nodev_error = nullptr;
+PyObject* g_oom_error = nullptr;
+PyObject* g_state_error = nullptr;
+
+size_t as_size(int64_t v, const char* what) {
+  if (v < 0) throw_value(std::string(what) + " must be >= 0, got " + std::to_string(v) + ".");
+  return static_cast<size_t>(v);
+}
+
+struct DLCtx {
+  std::shared_ptr<VirtualTensor> keep;  // the mapping lives while torch holds a view
+  int64_t shape[1];
+  int64_t strides[1];
+  DLManagedTensor m;
+};
+
+void dl_deleter(DLManagedTensor* self) { delete static_cast<DLCtx*>(self->manager_ctx); }
+
+void capsule_destructor(PyObject* cap) {
+  // Only an unconsumed capsule still owns its tensor; consumers rename it.
+  if (!PyCapsule_IsValid(cap, "dltensor")) return;
+  auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+  if (m && m->deleter) m->deleter(m);
+}
+
+py::capsule to_dlpack(const std::shared_ptr<VirtualTensor>& vt) {
+  auto* ctx = new DLCtx();
+  ctx->keep = vt;
+  ctx->shape[0] = static_cast<int64_t>(vt->size());
+  ctx->strides[0] = 1;
+  auto dev = vt->backend()->dlpack_device();
+  DLTensor& t = ctx->m.dl_tensor;
+  t.data = reinterpret_cast<void*>(vt->ptr());
+  t.device = {dev.first, dev.second};
+  t.ndim = 1;
+  t.dtype = {1, 8, 1};
+  t.shape = ctx->shape;
+  t.strides = ctx->strides;
+  t.byte_offset = 0;
+  ctx->m.manager_ctx = ctx;
+  ctx->m.deleter = dl_deleter;
+  PyObject* cap = PyCapsule_New(&ctx->m, "dltensor", capsule_destructor);
+  if (!cap) {
+    delete ctx;
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(cap);
+}
+
+PyObject* new_exception(const char* name, PyObject* bases, const char* doc) {
+  PyObject* e = PyErr_NewExceptionWithDoc(name, doc, bases, nullptr);
+  if (!e) throw py::error_already_set();
+  return e;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_vmm, m) {
+  m.doc() = "kvcached native VMM core: backends (cuda, hip, host), virtual tensors, page allocator, block pool.";
+
+  py::module_ errors = py::module_::import("kvcached.errors");
+  py::object kv_error = errors.attr("KVCachedError");
+  py::object exhausted = errors.attr("KVCachePoolExhausted");
+  g_state_error = errors.attr("KVCachedStateError").ptr();
+  Py_INCREF(g_state_error);
+  g_driver_error = new_exception("kvcached._vmm.DriverError", kv_error.ptr(),
+                                 "A GPU driver / runtime / OS call failed; the message names the call and the error.");
+  g_lib_error = new_exception("kvcached._vmm.LibraryNotFoundError", g_driver_error,
+                              "The runtime library (libcuda.so.1, libamdhip64) cannot be opened.");
+  g_nodev_error = new_exception("kvcached._vmm.NoDeviceError", g_driver_error,
+                                "The runtime library loads but there is no usable device.");
+  py::tuple oom_bases = py::make_tuple(py::handle(g_driver_error), exhausted);
+  g_oom_error = new_exception("kvcached._vmm.OutOfMemoryError", oom_bases.ptr(),
+                              "Physical memory (device, host budget or page limit) is exhausted.");
+  m.attr("DriverError") = py::handle(g_driver_error);
+  m.attr("LibraryNotFoundError") = py::handle(g_lib_error);
+  m.attr("NoDeviceError") = py::handle(g_nodev_error);
+  m.attr("OutOfMemoryError") = py::handle(g_oom_error);
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyObject* type = g_driver_error;
+      switch (e.kind) {
+        case ErrKind::Driver: type = g_driver_error; break;
+        case ErrKind::LibraryNotFound: type = g_lib_error; break;
+        case ErrKind::NoDevice: type = g_nodev_error; break;
+        case ErrKind::OutOfMemory: type = g_oom_error; break;
+        case ErrKind::Value: type = PyExc_ValueError; break;
+        case ErrKind::State: type = g_state_error; break;
+      }
+      PyErr_SetString(type, e.what());
+    }
+  });
+
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
+      .def(py::init([](const std::string& kind, int device, int64_t host_limit_bytes) {
+             size_t limit = as_size(host_limit_bytes, "host_limit_bytes");
+             py::gil_scoped_release rel;
+             return make_backend(kind, device, limit);
+           }),
+           py::arg("kind"), py::arg("device") = 0, py::arg("host_limit_bytes") = 0)
+      .def_property_readonly("kind", [](const Backend& b) { return b.kind; })
+      .def_property_readonly("device", [](const Backend& b) { return b.device; })
+      .def_property_readonly("granularity", [](const Backend& b) { return b.granularity; })
+      .def_property_readonly("map_offset_ok", &Backend::map_offset_ok,
+                             "True when one physical allocation can be mapped in slices (else one per region).")
+      .def("mem_info", [](Backend& b) {
+        py::gil_scoped_release rel;
+        return b.mem_info();
+      })
+      .def("physical_bytes", &Backend::physical_bytes)
+      .def("resident_bytes", [](Backend& b) { return host_resident_bytes(b); },
+           "host: bytes of the memfd really backed by RAM; other backends: physical_bytes().")
+      .def("set_host_limit", [](Backend& b, int64_t bytes) { b.set_host_limit(as_size(bytes, "host limit")); },
+           py::arg("bytes"))
+      .def("dlpack_device", &Backend::dlpack_device)
+      .def("__repr__", [](const Backend& b) {
+        return "<kvcached._vmm.Backend " + b.kind + ":" + std::to_string(b.device) + ">";
+      });
+
+  py::class_<VirtualTensor, std::shared_ptr<VirtualTensor>>(m, "VirtualTensor")
+      .def(py::init([](std::shared_ptr<Backend> backend, int64_t size, int64_t unit) {
+             size_t s = as_size(size, "size"), u = as_size(unit, "unit");
+             py::gil_scoped_release rel;
+             return std::make_shared<VirtualTensor>(std::move(backend), s, u);
+           }),
+           py::arg("backend"), py::arg("size"), py::arg("unit"))
+      .def_property_readonly("ptr", &VirtualTensor::ptr)
+      .def_property_readonly("size", &VirtualTensor::size)
+      .def_property_readonly("unit", &VirtualTensor::unit)
+      .def_property_readonly("backend", &VirtualTensor::backend)
+      .def("to_dlpack", &to_dlpack)
+      .def("__dlpack__", [](const std::shared_ptr<VirtualTensor>& vt, py::args, py::kwargs) { return to_dlpack(vt); })
+      .def("__dlpack_device__", [](const VirtualTensor& vt) { return vt.backend()->dlpack_device(); });
+
+  bind_allocators(m);
+
+  m.def("bench_driver_calls", [](std::shared_ptr<Backend> b, int64_t num_pages, int64_t page_bytes) {
+    size_t pb = as_size(page_bytes, "page_bytes");
+    py::gil_scoped_release rel;
+    return bench_driver_calls(*b, num_pages, pb);
+  }, py::arg("backend"), py::arg("num_pages"), py::arg("page_bytes"),
+        "Per-call microseconds of reserve, create, map, set_access, unmap, release (and batched variants).");
+
+  m.def("_stop_all_threads", &stop_all_prealloc_threads, py::call_guard<py::gil_scoped_release>());
+  // Prealloc threads must be gone before the interpreter (and the drivers) shut down.
+  py::module_::import("atexit").attr("register")(m.attr("_stop_all_threads"));
+}

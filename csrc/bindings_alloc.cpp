@@ -1,0 +1,144 @@
+// Python bindings of PageAllocator and BlockPool (a separate file so the two halves
+// of the bindings compile in parallel).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "block_pool.h"
+#include "page_allocator.h"
+
+namespace py = pybind11;
+
+namespace kvc {
+namespace {
+
+// A list of ints from any sequence, with a clear error for anything else.
+std::vector<int64_t> int_list(py::handle obj, const char* what) {
+  PyObject* seq = PySequence_Fast(obj.ptr(), "");
+  if (!seq) {
+    PyErr_Clear();
+    throw_value(std::string(what) + " must be a list of ints, got " + std::string(py::str(py::type::of(obj).attr("__name__"))) + ".");
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* it = items[i];
+    if (!PyLong_Check(it)) {
+      Py_DECREF(seq);
+      throw_value(std::string(what) + "[" + std::to_string(i) + "] is not an int.");
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(it, &overflow);
+    if (overflow) {
+      Py_DECREF(seq);
+      throw_value(std::string(what) + "[" + std::to_string(i) + "] is out of range.");
+    }
+    out[i] = v;
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
+py::list to_pylist(const std::vector<int64_t>& v) {
+  py::list l(v.size());
+  for (size_t i = 0; i < v.size(); ++i) PyList_SET_ITEM(l.ptr(), static_cast<Py_ssize_t>(i), PyLong_FromLongLong(v[i]));
+  return l;
+}
+
+std::vector<RegionSpec> parse_regions(py::handle regions) {
+  std::vector<RegionSpec> out;
+  size_t i = 0;
+  for (py::handle item : regions) {
+    int64_t t, base, size;
+    try {
+      if (py::hasattr(item, "tensor") && py::hasattr(item, "base") && py::hasattr(item, "size")) {
+        t = item.attr("tensor").cast<int64_t>();
+        base = item.attr("base").cast<int64_t>();
+        size = item.attr("size").cast<int64_t>();
+      } else {
+        auto tup = py::reinterpret_borrow<py::sequence>(item);
+        if (py::len(tup) != 3) throw py::cast_error();
+        t = tup[0].cast<int64_t>();
+        base = tup[1].cast<int64_t>();
+        size = tup[2].cast<int64_t>();
+      }
+    } catch (const py::error_already_set&) {
+      throw_value("region " + std::to_string(i) + " must be (tensor, base, size) ints or a layout.Region.");
+    } catch (const py::cast_error&) {
+      throw_value("region " + std::to_string(i) + " must be (tensor, base, size) ints or a layout.Region.");
+    }
+    if (base < 0 || size <= 0) {
+      throw_value("region " + std::to_string(i) + ": base must be >= 0 and size > 0, got base=" + std::to_string(base) +
+                  ", size=" + std::to_string(size) + ".");
+    }
+    out.push_back({t, static_cast<size_t>(base), static_cast<size_t>(size)});
+    ++i;
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_allocators(py::module_& m) {
+  py::class_<PageAllocator, std::shared_ptr<PageAllocator>>(m, "PageAllocator")
+      .def(py::init([](std::shared_ptr<Backend> backend, std::vector<std::shared_ptr<VirtualTensor>> tensors,
+                       py::object regions, int64_t num_pages, int64_t min_reserved, int64_t max_reserved,
+                       bool prealloc) {
+             auto specs = parse_regions(regions);
+             py::gil_scoped_release rel;
+             return std::make_shared<PageAllocator>(std::move(backend), std::move(tensors), std::move(specs),
+                                                    num_pages, min_reserved, max_reserved, prealloc);
+           }),
+           py::arg("backend"), py::arg("tensors"), py::arg("regions"), py::arg("num_pages"),
+           py::arg("min_reserved") = 0, py::arg("max_reserved") = 0, py::arg("prealloc") = false)
+      .def("alloc_pages", [](PageAllocator& pa, int64_t n) {
+        std::vector<int64_t> out;
+        {
+          py::gil_scoped_release rel;
+          out = pa.alloc_pages(n);
+        }
+        return to_pylist(out);
+      }, py::arg("n"))
+      .def("free_pages", [](PageAllocator& pa, py::handle ids) {
+        auto v = int_list(ids, "ids");
+        py::gil_scoped_release rel;
+        pa.free_pages(v);
+      }, py::arg("ids"))
+      .def("trim", &PageAllocator::trim, py::call_guard<py::gil_scoped_release>())
+      .def("set_limit_pages", &PageAllocator::set_limit_pages, py::arg("n"), py::call_guard<py::gil_scoped_release>())
+      .def("close", &PageAllocator::close, py::call_guard<py::gil_scoped_release>())
+      .def("is_in_use", &PageAllocator::is_in_use, py::arg("page"), py::call_guard<py::gil_scoped_release>())
+      .def("refresh_mem_info", &PageAllocator::refresh_mem_info, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("limit_pages", &PageAllocator::limit_pages)
+      .def_property_readonly("num_pages", &PageAllocator::num_pages)
+      .def_property_readonly("num_in_use", &PageAllocator::num_in_use)
+      .def_property_readonly("num_reserved", &PageAllocator::num_reserved)
+      .def_property_readonly("min_reserved", &PageAllocator::min_reserved)
+      .def_property_readonly("max_reserved", &PageAllocator::max_reserved)
+      .def_property_readonly("mapped_bytes", &PageAllocator::mapped_bytes)
+      .def_property_readonly("page_bytes", &PageAllocator::page_bytes)
+      .def_property_readonly("closed", &PageAllocator::closed)
+      .def_property_readonly("backend", &PageAllocator::backend)
+      .def_property_readonly("tensors", &PageAllocator::tensors)
+      .def("obtainable_pages", &PageAllocator::obtainable_pages);
+
+  py::class_<BlockPool, std::shared_ptr<BlockPool>>(m, "BlockPool")
+      .def(py::init<std::shared_ptr<PageAllocator>, int64_t, int64_t>(), py::arg("page_allocator"),
+           py::arg("blocks_per_page"), py::arg("num_blocks"))
+      .def("alloc", [](BlockPool& bp, int64_t n) -> py::object {
+        auto r = bp.alloc(n);
+        if (!r) return py::none();
+        return to_pylist(*r);
+      }, py::arg("n"))
+      .def("free", [](BlockPool& bp, py::handle ids) { bp.free(int_list(ids, "ids")); }, py::arg("ids"))
+      .def("available", &BlockPool::available)
+      .def("num_allocated", &BlockPool::num_allocated)
+      .def("is_allocated", &BlockPool::is_allocated, py::arg("id"))
+      .def_property_readonly("blocks_per_page", &BlockPool::blocks_per_page)
+      .def_property_readonly("num_blocks", &BlockPool::num_blocks)
+      .def_property_readonly("num_held_pages", &BlockPool::num_held_pages)
+      .def_property_readonly("page_allocator", &BlockPool::page_allocator);
+
+}
+
+}  // namespace kvc

@@ -1,0 +1,451 @@
+#include "page_allocator.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace kvc {
+namespace {
+
+std::mutex g_live_mu;
+std::set<PageAllocator*> g_live;  // for stopping prealloc threads at interpreter exit
+
+using Runs = std::vector<std::pair<int64_t, int64_t>>;  // [first, last] of consecutive page indices
+
+Runs runs_of(const std::vector<int64_t>& sorted) {
+  Runs runs;
+  for (int64_t p : sorted) {
+    if (!runs.empty() && runs.back().second + 1 == p) {
+      runs.back().second = p;
+    } else {
+      runs.emplace_back(p, p);
+    }
+  }
+  return runs;
+}
+
+}  // namespace
+
+void stop_all_prealloc_threads() noexcept {
+  std::lock_guard<std::mutex> lk(g_live_mu);
+  for (auto* pa : g_live) pa->stop_thread();
+}
+
+PageAllocator::PageAllocator(std::shared_ptr<Backend> backend, std::vector<std::shared_ptr<VirtualTensor>> tensors,
+                             std::vector<RegionSpec> regions, int64_t num_pages, int64_t min_reserved,
+                             int64_t max_reserved, bool prealloc)
+    : backend_(std::move(backend)),
+      tensors_(std::move(tensors)),
+      regions_(std::move(regions)),
+      num_pages_(num_pages),
+      min_reserved_(min_reserved),
+      max_reserved_(max_reserved),
+      limit_(num_pages) {
+  if (!backend_) throw_value("PageAllocator needs a Backend, got None.");
+  if (num_pages <= 0) throw_value("num_pages must be positive, got " + std::to_string(num_pages) + ".");
+  if (min_reserved < 0 || max_reserved < 0 || min_reserved > max_reserved) {
+    throw_value("need 0 <= min_reserved <= max_reserved, got min_reserved=" + std::to_string(min_reserved) +
+                ", max_reserved=" + std::to_string(max_reserved) + ".");
+  }
+  if (tensors_.empty()) throw_value("PageAllocator needs at least one VirtualTensor.");
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (!tensors_[i]) throw_value("tensors[" + std::to_string(i) + "] is None.");
+    if (tensors_[i]->backend() != backend_) {
+      throw_value("tensors[" + std::to_string(i) + "] belongs to another Backend; create every VirtualTensor "
+                  "with the allocator's backend.");
+    }
+  }
+  if (regions_.empty()) throw_value("PageAllocator needs at least one region (tensor, base, size).");
+  std::vector<std::vector<std::pair<size_t, size_t>>> spans(tensors_.size());
+  for (size_t i = 0; i < regions_.size(); ++i) {
+    const RegionSpec& r = regions_[i];
+    std::string name = "region " + std::to_string(i) + " (tensor=" + std::to_string(r.tensor) +
+                       ", base=" + std::to_string(r.base) + ", size=" + std::to_string(r.size) + ")";
+    if (r.tensor < 0 || r.tensor >= static_cast<int64_t>(tensors_.size())) {
+      throw_value(name + ": tensor index out of range [0, " + std::to_string(tensors_.size()) + ").");
+    }
+    const VirtualTensor& t = *tensors_[r.tensor];
+    if (r.size == 0 || r.size % t.unit() || r.base % t.unit()) {
+      throw_value(name + ": base and size must be multiples of the tensor's unit (" + std::to_string(t.unit()) +
+                  " B) and size positive.");
+    }
+    size_t end = r.base + static_cast<size_t>(num_pages) * r.size;
+    if (end > t.size()) {
+      throw_value(name + ": " + std::to_string(num_pages) + " pages end at byte " + std::to_string(end) +
+                  ", past the tensor's " + std::to_string(t.size()) + " B.");
+    }
+    spans[r.tensor].emplace_back(r.base, end);
+    page_bytes_ += r.size;
+  }
+  for (size_t t = 0; t < spans.size(); ++t) {
+    auto& s = spans[t];
+    std::sort(s.begin(), s.end());
+    for (size_t i = 1; i < s.size(); ++i) {
+      if (s[i].first < s[i - 1].second) {
+        throw_value("regions overlap in tensor " + std::to_string(t) + " (bytes " + std::to_string(s[i].first) +
+                    ".." + std::to_string(s[i - 1].second) + "); each byte may belong to one region only.");
+      }
+    }
+  }
+  one_handle_ = backend_->map_offset_ok();
+  state_.assign(num_pages, kFree);
+  handles_.resize(num_pages);
+  for (int64_t p = 0; p < num_pages; ++p) free_.insert(free_.end(), p);
+  refresh_mem_info();
+  {
+    std::lock_guard<std::mutex> lk(g_live_mu);
+    g_live.insert(this);
+  }
+  if (prealloc) thread_ = std::thread([this] { thread_main(); });
+}
+
+PageAllocator::~PageAllocator() {
+  {
+    std::lock_guard<std::mutex> lk(g_live_mu);
+    g_live.erase(this);
+  }
+  try {
+    close();
+  } catch (const std::exception& e) {
+    log_warning(std::string("PageAllocator teardown: ") + e.what());
+  }
+}
+
+void PageAllocator::check_open() const {
+  if (closed_.load()) throw_state("this PageAllocator is closed; create a new one.");
+}
+
+void PageAllocator::refresh_mem_info() noexcept {
+  try {
+    auto info = backend_->mem_info();
+    phys_free_pages_.store(static_cast<int64_t>(info.first / page_bytes_), std::memory_order_relaxed);
+  } catch (const std::exception& e) {
+    log_warning(std::string("mem_info: ") + e.what());
+  }
+}
+
+int64_t PageAllocator::obtainable_pages() const {
+  int64_t in_use = num_in_use(), res = num_reserved();
+  int64_t n = std::min(limit_pages(), num_pages_) - in_use;
+  n = std::min(n, res + phys_free_pages_.load(std::memory_order_relaxed));
+  return std::max<int64_t>(n, 0);
+}
+
+bool PageAllocator::is_in_use(int64_t p) {
+  if (p < 0 || p >= num_pages_) throw_value("page " + std::to_string(p) + " out of range [0, " + std::to_string(num_pages_) + ").");
+  std::lock_guard<std::mutex> lk(mu_);
+  return state_[p] == kInUse;
+}
+
+void PageAllocator::publish_locked() {
+  in_use_.store(num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size()), std::memory_order_relaxed);
+  reserved_n_.store(static_cast<int64_t>(reserved_.size()), std::memory_order_relaxed);
+}
+
+void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
+  if (pages.empty()) return;
+  // 1. physical memory
+  size_t created = 0;
+  try {
+    for (; created < pages.size(); ++created) {
+      auto& hs = handles_[pages[created]];
+      if (one_handle_) {
+        hs.push_back(backend_->create(page_bytes_));
+      } else {
+        for (const auto& r : regions_) hs.push_back(backend_->create(r.size));
+      }
+    }
+  } catch (...) {
+    for (size_t i = 0; i <= created && i < pages.size(); ++i) {
+      for (Handle h : handles_[pages[i]]) backend_->release(h);
+      handles_[pages[i]].clear();
+    }
+    throw;
+  }
+  // 2. per region and run of consecutive pages: drop the zero page, map the slices, one access call
+  Runs runs = runs_of(pages);
+  struct Done {
+    size_t region;
+    size_t run;
+    int64_t mapped;  // pages of the run mapped so far (-1: zero page still there)
+    bool access;
+  };
+  std::vector<Done> done;
+  try {
+    for (size_t ri = 0; ri < regions_.size(); ++ri) {
+      const RegionSpec& r = regions_[ri];
+      VirtualTensor& t = *tensors_[r.tensor];
+      size_t slice_off = 0;
+      for (size_t k = 0; k < ri; ++k) slice_off += regions_[k].size;
+      for (size_t ui = 0; ui < runs.size(); ++ui) {
+        auto [a, b] = runs[ui];
+        size_t off = r.base + static_cast<size_t>(a) * r.size;
+        size_t len = static_cast<size_t>(b - a + 1) * r.size;
+        done.push_back({ri, ui, -1, false});
+        t.unmap_zero(off, len);
+        done.back().mapped = 0;
+        for (int64_t p = a; p <= b; ++p) {
+          const auto& hs = handles_[p];
+          uintptr_t at = t.ptr() + r.base + static_cast<size_t>(p) * r.size;
+          if (one_handle_) {
+            backend_->map(at, r.size, hs[0], slice_off);
+          } else {
+            backend_->map(at, r.size, hs[ri], 0);
+          }
+          done.back().mapped++;
+        }
+        backend_->set_access(t.ptr() + off, len);
+        done.back().access = true;
+      }
+    }
+  } catch (...) {
+    // Roll back: every touched range goes back to the zero page, then the memory is released.
+    for (const Done& d : done) {
+      const RegionSpec& r = regions_[d.region];
+      VirtualTensor& t = *tensors_[r.tensor];
+      auto [a, b] = runs[d.run];
+      size_t off = r.base + static_cast<size_t>(a) * r.size;
+      size_t len = static_cast<size_t>(b - a + 1) * r.size;
+      try {
+        if (d.mapped < 0) continue;
+        if (d.mapped > 0) backend_->unmap_units(t.ptr() + off, static_cast<size_t>(d.mapped) * r.size, r.size);
+        t.map_zero(off, len);
+        backend_->set_access(t.ptr() + off, len);
+      } catch (const std::exception& e) {
+        log_warning(std::string("rollback of a failed map left pages unmapped: ") + e.what());
+      }
+    }
+    for (int64_t p : pages) {
+      for (Handle h : handles_[p]) backend_->release(h);
+      handles_[p].clear();
+    }
+    throw;
+  }
+}
+
+void PageAllocator::unmap_locked(const std::vector<int64_t>& pages) {
+  if (pages.empty()) return;
+  Runs runs = runs_of(pages);
+  for (const auto& r : regions_) {
+    VirtualTensor& t = *tensors_[r.tensor];
+    for (auto [a, b] : runs) {
+      size_t off = r.base + static_cast<size_t>(a) * r.size;
+      size_t len = static_cast<size_t>(b - a + 1) * r.size;
+      backend_->unmap_units(t.ptr() + off, len, r.size);
+      t.map_zero(off, len);
+      backend_->set_access(t.ptr() + off, len);
+    }
+  }
+  for (int64_t p : pages) {
+    for (Handle h : handles_[p]) backend_->release(h);
+    handles_[p].clear();
+  }
+}
+
+std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
+  if (n < 0) throw_value("alloc_pages(n) needs n >= 0, got " + std::to_string(n) + ".");
+  std::unique_lock<std::mutex> lk(mu_);
+  check_open();
+  std::vector<int64_t> out;
+  if (n == 0) return out;
+  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  int64_t limit = limit_.load();
+  if (in_use + n > limit) {
+    throw Error(ErrKind::OutOfMemory, "alloc_pages(" + std::to_string(n) + "): " + std::to_string(in_use) +
+                                          " pages in use and the limit is " + std::to_string(limit) +
+                                          " (of " + std::to_string(num_pages_) +
+                                          "); free pages or raise the limit (set_limit_pages / kvctl limit).");
+  }
+  int64_t from_res = std::min<int64_t>(n, static_cast<int64_t>(reserved_.size()));
+  std::vector<int64_t> fresh;
+  for (auto it = free_.begin(); static_cast<int64_t>(fresh.size()) < n - from_res; ++it) fresh.push_back(*it);
+  map_locked(fresh);  // throws with nothing changed
+  for (int64_t p : fresh) {
+    free_.erase(p);
+    state_[p] = kInUse;
+    out.push_back(p);
+  }
+  for (int64_t i = 0; i < from_res; ++i) {
+    int64_t p = *reserved_.begin();
+    reserved_.erase(reserved_.begin());
+    state_[p] = kInUse;
+    out.push_back(p);
+  }
+  trimmed_ = false;
+  publish_locked();
+  if (!fresh.empty()) refresh_mem_info();
+  std::sort(out.begin(), out.end());
+  if (thread_.joinable() && static_cast<int64_t>(reserved_.size()) < min_reserved_) cv_.notify_one();
+  return out;
+}
+
+bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock() || closed_.load() || static_cast<int64_t>(reserved_.size()) < n) return false;
+  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  if (in_use + n > limit_.load()) return false;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t p = *reserved_.begin();
+    reserved_.erase(reserved_.begin());
+    state_[p] = kInUse;
+    out.push_back(p);
+  }
+  trimmed_ = false;
+  publish_locked();
+  if (thread_.joinable() && static_cast<int64_t>(reserved_.size()) < min_reserved_) cv_.notify_one();
+  return true;
+}
+
+bool PageAllocator::try_return(const std::vector<int64_t>& ids) {
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock() || closed_.load()) return false;
+  if (static_cast<int64_t>(reserved_.size() + ids.size()) > max_reserved_ || trimmed_) return false;
+  if (num_pages_ - static_cast<int64_t>(free_.size()) > limit_.load()) return false;  // over a lowered limit
+  for (int64_t p : ids) {
+    if (p < 0 || p >= num_pages_ || state_[p] != kInUse) return false;  // let free_pages explain
+  }
+  for (int64_t p : ids) {
+    state_[p] = kReserved;
+    reserved_.insert(p);
+  }
+  publish_locked();
+  return true;
+}
+
+void PageAllocator::free_pages(const std::vector<int64_t>& ids) {
+  std::unique_lock<std::mutex> lk(mu_);
+  check_open();
+  std::set<int64_t> seen;
+  for (int64_t p : ids) {
+    if (p < 0 || p >= num_pages_) {
+      throw_value("free_pages: page " + std::to_string(p) + " out of range [0, " + std::to_string(num_pages_) +
+                  "); nothing was freed.");
+    }
+    if (state_[p] != kInUse) {
+      throw_value("free_pages: page " + std::to_string(p) + " is not in use (double free?); nothing was freed.");
+    }
+    if (!seen.insert(p).second) {
+      throw_value("free_pages: page " + std::to_string(p) + " appears twice in one call; nothing was freed.");
+    }
+  }
+  for (int64_t p : ids) {
+    state_[p] = kReserved;
+    reserved_.insert(p);
+  }
+  publish_locked();
+  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  int64_t keep = std::min(trimmed_ ? 0 : max_reserved_, limit_.load() - in_use);
+  if (static_cast<int64_t>(reserved_.size()) > keep) {
+    if (thread_.joinable()) {
+      cv_.notify_one();  // the thread unmaps the excess; free stays cheap
+    } else {
+      shrink_reserved_locked(keep);
+    }
+  }
+}
+
+void PageAllocator::shrink_reserved_locked(int64_t keep) {
+  keep = std::max<int64_t>(keep, 0);
+  if (static_cast<int64_t>(reserved_.size()) <= keep) return;
+  // Give back the highest pages so the low ones (and their runs) stay mapped.
+  std::vector<int64_t> drop;
+  auto it = reserved_.end();
+  while (static_cast<int64_t>(reserved_.size() - drop.size()) > keep) drop.push_back(*--it);
+  std::sort(drop.begin(), drop.end());
+  try {
+    unmap_locked(drop);
+  } catch (...) {
+    publish_locked();
+    refresh_mem_info();
+    throw;
+  }
+  for (int64_t p : drop) {
+    reserved_.erase(p);
+    state_[p] = kFree;
+    free_.insert(p);
+  }
+  publish_locked();
+  refresh_mem_info();
+}
+
+void PageAllocator::trim() {
+  std::unique_lock<std::mutex> lk(mu_);
+  check_open();
+  trimmed_ = true;
+  shrink_reserved_locked(0);
+}
+
+bool PageAllocator::set_limit_pages(int64_t n) {
+  if (n < 0) throw_value("set_limit_pages(n) needs n >= 0, got " + std::to_string(n) + ".");
+  std::unique_lock<std::mutex> lk(mu_);
+  check_open();
+  limit_.store(n);
+  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  shrink_reserved_locked(n - in_use);
+  if (thread_.joinable()) cv_.notify_one();
+  return in_use <= n;
+}
+
+void PageAllocator::thread_main() {
+  std::unique_lock<std::mutex> lk(mu_);
+  bool failed = false;  // after a failure, wait for a change before trying again
+  while (!stop_) {
+    int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+    int64_t res = static_cast<int64_t>(reserved_.size());
+    int64_t limit = limit_.load();
+    try {
+      int64_t keep = std::min(trimmed_ ? 0 : max_reserved_, limit - in_use);
+      if (res > keep) {
+        shrink_reserved_locked(keep);
+      } else if (!trimmed_ && !failed && res < min_reserved_) {
+        int64_t want = std::min({min_reserved_ - res, limit - in_use - res, static_cast<int64_t>(free_.size())});
+        if (want > 0) {
+          std::vector<int64_t> fresh(free_.begin(), std::next(free_.begin(), want));
+          map_locked(fresh);
+          for (int64_t p : fresh) {
+            free_.erase(p);
+            state_[p] = kReserved;
+            reserved_.insert(p);
+          }
+          publish_locked();
+        }
+      }
+    } catch (const std::exception& e) {
+      failed = true;
+      log_warning(std::string("prealloc thread: ") + e.what());
+    }
+    refresh_mem_info();
+    if (cv_.wait_for(lk, std::chrono::milliseconds(250)) == std::cv_status::no_timeout) failed = false;
+  }
+}
+
+void PageAllocator::stop_thread() noexcept {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+void PageAllocator::close() {
+  stop_thread();
+  std::unique_lock<std::mutex> lk(mu_);
+  if (closed_.exchange(true)) return;
+  std::vector<int64_t> mapped;
+  for (int64_t p = 0; p < num_pages_; ++p) {
+    if (state_[p] != kFree) mapped.push_back(p);
+  }
+  try {
+    unmap_locked(mapped);
+  } catch (const std::exception& e) {
+    log_warning(std::string("close: ") + e.what());
+  }
+  for (int64_t p : mapped) {
+    state_[p] = kFree;
+    free_.insert(p);
+  }
+  reserved_.clear();
+  publish_locked();
+}
+
+}  // namespace kvc

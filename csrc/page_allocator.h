@@ -1,0 +1,91 @@
+// Page indices over one or more virtual tensors. Page p maps every region
+// (tensor, base, size) at [base + p*size, +size) onto one physical page group.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "vtensor.h"
+
+namespace kvc {
+
+struct RegionSpec {
+  int64_t tensor;
+  size_t base;
+  size_t size;
+};
+
+class PageAllocator {
+ public:
+  PageAllocator(std::shared_ptr<Backend> backend, std::vector<std::shared_ptr<VirtualTensor>> tensors,
+                std::vector<RegionSpec> regions, int64_t num_pages, int64_t min_reserved, int64_t max_reserved,
+                bool prealloc);
+  ~PageAllocator();
+
+  // Blocking calls: the caller must not hold the GIL.
+  std::vector<int64_t> alloc_pages(int64_t n);
+  void free_pages(const std::vector<int64_t>& ids);
+  void trim();
+  bool set_limit_pages(int64_t n);
+  void close();
+  void stop_thread() noexcept;
+
+  // Non-blocking fast paths for BlockPool (try_lock; false = take the slow path).
+  bool try_take_reserved(int64_t n, std::vector<int64_t>& out);
+  bool try_return(const std::vector<int64_t>& ids);
+
+  int64_t num_pages() const { return num_pages_; }
+  int64_t limit_pages() const { return limit_.load(std::memory_order_relaxed); }
+  int64_t num_in_use() const { return in_use_.load(std::memory_order_relaxed); }
+  int64_t num_reserved() const { return reserved_n_.load(std::memory_order_relaxed); }
+  int64_t min_reserved() const { return min_reserved_; }
+  int64_t max_reserved() const { return max_reserved_; }
+  size_t page_bytes() const { return page_bytes_; }
+  size_t mapped_bytes() const { return static_cast<size_t>(num_in_use() + num_reserved()) * page_bytes_; }
+  bool closed() const { return closed_.load(); }
+  bool is_in_use(int64_t p);
+  // Pages that could be in use right now: limit, pages left, physical memory (cached).
+  int64_t obtainable_pages() const;
+  void refresh_mem_info() noexcept;
+  const std::shared_ptr<Backend>& backend() const { return backend_; }
+  const std::vector<std::shared_ptr<VirtualTensor>>& tensors() const { return tensors_; }
+
+ private:
+  enum : uint8_t { kFree = 0, kReserved = 1, kInUse = 2 };
+  void check_open() const;
+  void map_locked(const std::vector<int64_t>& pages);    // sorted; all-or-nothing
+  void unmap_locked(const std::vector<int64_t>& pages);  // sorted
+  void shrink_reserved_locked(int64_t keep);
+  void publish_locked();
+  void thread_main();
+
+  std::shared_ptr<Backend> backend_;
+  std::vector<std::shared_ptr<VirtualTensor>> tensors_;
+  std::vector<RegionSpec> regions_;
+  int64_t num_pages_;
+  int64_t min_reserved_, max_reserved_;
+  size_t page_bytes_ = 0;
+  bool one_handle_;  // one physical allocation per page, sliced; else one per region
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint8_t> state_;
+  std::vector<std::vector<Handle>> handles_;
+  std::set<int64_t> free_, reserved_;
+  bool trimmed_ = false;  // after trim() the thread waits for demand before refilling
+  bool stop_ = false;
+
+  std::atomic<int64_t> limit_;
+  std::atomic<int64_t> in_use_{0}, reserved_n_{0};
+  std::atomic<int64_t> phys_free_pages_{0};
+  std::atomic<bool> closed_{false};
+  std::thread thread_;
+};
+
+}  // namespace kvc

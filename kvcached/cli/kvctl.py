@@ -1,0 +1,175 @@
+"""``kvctl``: list kvcached instances and set their KV memory limits.
+
+    kvctl list [NAME...] [--json]
+    kvctl limit NAME SIZE            # 2G, 512M, 1.5GiB, bytes
+    kvctl limit-percent NAME PCT     # percent of the device's memory
+    kvctl watch [-n SEC] [NAME...]
+    kvctl delete NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from kvcached import mem_info
+from kvcached.cli.utils import get_kv_cache_limit, update_kv_cache_limit
+from kvcached.utils import format_size, parse_size
+
+
+def _infos(names: list[str] | None) -> list[mem_info.MemInfo]:
+    out = []
+    for name in names or mem_info.list_segments():
+        try:
+            out.append(mem_info.read_segment(name))
+        except FileNotFoundError:
+            print(f"kvctl: no segment named {name!r}", file=sys.stderr)
+        except ValueError as exc:
+            print(f"kvctl: {exc}", file=sys.stderr)
+    return out
+
+
+def render_table(infos: list[mem_info.MemInfo]) -> str:
+    if not infos:
+        return "No kvcached instances found."
+    head = f"{'NAME':32} {'PID':>8} {'DEVICE':8} {'LAYOUT':10} {'LIMIT':>11} {'USED':>11} {'PREALLOC':>11} " \
+           f"{'CAPACITY':>11} {'USE%':>6}"
+    lines = [head]
+    for i in infos:
+        pid = f"{i.pid}" if mem_info.pid_alive(i.pid) else f"{i.pid}(dead)"
+        limit = "none" if i.limit < 0 else format_size(i.limit)
+        pct = 100.0 * i.used_size / i.total_size if i.total_size > 0 else 0.0
+        lines.append(f"{i.name:32} {pid:>8} {i.device:8} {i.layout:10} {limit:>11} {format_size(i.used_size):>11} "
+                     f"{format_size(i.prealloc_size):>11} {format_size(i.capacity):>11} {pct:5.1f}%")
+    return "\n".join(lines)
+
+
+def cmd_list(names: list[str] | None = None, json_out: bool = False) -> int:
+    infos = _infos(names)
+    if json_out:
+        print(json.dumps([i.to_dict() for i in infos], indent=2))
+    else:
+        print(render_table(infos))
+    return 0 if infos or not names else 1
+
+
+def _missing(name: str, json_out: bool) -> int:
+    msg = f"no kvcached instance named {name!r}"
+    names = mem_info.list_segments()
+    if names:
+        msg += f"; running: {', '.join(names)}"
+    if json_out:
+        print(json.dumps({"ok": False, "error": msg}))
+    print(f"kvctl: {msg}", file=sys.stderr)
+    return 1
+
+
+def _set(name: str, size: int, json_out: bool) -> int:
+    info = update_kv_cache_limit(name, size)
+    if info is None:
+        return _missing(name, json_out)
+    if json_out:
+        print(json.dumps({"ok": True, **info.to_dict()}))
+    else:
+        note = ""
+        if info.used_size > size:
+            note = f" (in use now: {format_size(info.used_size)}; the pool shrinks as blocks are freed)"
+        print(f"{name}: limit set to {format_size(size)} ({size} B){note}")
+    return 0
+
+
+def cmd_limit(name: str, size_text: str, json_out: bool = False) -> int:
+    try:
+        size = parse_size(size_text)
+    except ValueError as exc:
+        print(f"kvctl: {exc}", file=sys.stderr)
+        return 2
+    return _set(name, size, json_out)
+
+
+def cmd_limit_percent(name: str, percent: float, json_out: bool = False) -> int:
+    if not 0 <= percent <= 100:
+        print(f"kvctl: percent must lie in [0, 100], got {percent}", file=sys.stderr)
+        return 2
+    info = get_kv_cache_limit(name)
+    if info is None:
+        return _missing(name, json_out)
+    if info.device_total <= 0:
+        print(f"kvctl: {name} has not published its device memory yet; use `kvctl limit`.", file=sys.stderr)
+        return 1
+    return _set(name, int(info.device_total * percent / 100.0), json_out)
+
+
+def cmd_delete(name: str, json_out: bool = False) -> int:
+    info = get_kv_cache_limit(name)
+    if info is None:
+        return _missing(name, json_out)
+    if mem_info.pid_alive(info.pid):
+        print(f"kvctl: note: {name} belongs to the live process {info.pid}; it recreates the segment.",
+              file=sys.stderr)
+    mem_info.delete_segment(name)
+    print(json.dumps({"ok": True, "deleted": name}) if json_out else f"deleted {name}")
+    return 0
+
+
+def cmd_watch(interval: float, names: list[str] | None, json_out: bool = False, count: int = 0) -> int:
+    n = 0
+    try:
+        while True:
+            infos = _infos(names)
+            if json_out:
+                print(json.dumps([i.to_dict() for i in infos]), flush=True)
+            else:
+                print(f"\033[2J\033[H{time.strftime('%H:%M:%S')}\n{render_table(infos)}", flush=True)
+            n += 1
+            if count and n >= count:
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvctl", description="List kvcached instances and set their KV memory limits.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("list", help="list instances and their memory")
+    s.add_argument("names", nargs="*")
+    s.add_argument("--json", action="store_true", dest="json_sub")
+    s = sub.add_parser("limit", help="set an absolute limit, e.g. 2G or 512M")
+    s.add_argument("name")
+    s.add_argument("size")
+    s.add_argument("--json", action="store_true", dest="json_sub")
+    s = sub.add_parser("limit-percent", help="set the limit as a percent of the device's memory")
+    s.add_argument("name")
+    s.add_argument("percent", type=float)
+    s.add_argument("--json", action="store_true", dest="json_sub")
+    s = sub.add_parser("watch", help="refresh the list every interval")
+    s.add_argument("-n", "--interval", type=float, default=1.0)
+    s.add_argument("--count", type=int, default=0, help="stop after this many frames (0: until Ctrl-C)")
+    s.add_argument("names", nargs="*")
+    s.add_argument("--json", action="store_true", dest="json_sub")
+    s = sub.add_parser("delete", help="remove an instance's segment")
+    s.add_argument("name")
+    s.add_argument("--json", action="store_true", dest="json_sub")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    js = bool(args.json or getattr(args, "json_sub", False))
+    if args.command == "list":
+        return cmd_list(args.names, js)
+    if args.command == "limit":
+        return cmd_limit(args.name, args.size, js)
+    if args.command == "limit-percent":
+        return cmd_limit_percent(args.name, args.percent, js)
+    if args.command == "watch":
+        return cmd_watch(args.interval, args.names, js, args.count)
+    return cmd_delete(args.name, js)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

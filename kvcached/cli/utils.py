@@ -1,0 +1,55 @@
+"""Shared-memory helpers of the kvcached CLI (``kvctl``, ``kvtop``), on kvcached's module path."""
+
+from __future__ import annotations
+
+import os
+
+from kvcached import mem_info
+from kvcached.mem_info import MemInfo
+from kvcached.utils import SHM_DIR, format_size, parse_size
+
+MemInfoStruct = MemInfo  # kvcached's name: .total_size (the limit), .used_size, .prealloc_size
+
+
+def get_ipc_path(ipc_name: str) -> str:
+    return mem_info.segment_path(ipc_name)
+
+
+def get_ipc_name(ipc_path: str) -> str:
+    return os.path.basename(ipc_path)
+
+
+def get_kv_cache_limit(ipc_name: str) -> MemInfo | None:
+    """The segment of ``ipc_name`` (limit, used, prealloc...), or None if there is none."""
+    try:
+        return mem_info.read_segment(get_ipc_name(ipc_name))
+    except FileNotFoundError:
+        return None
+
+
+def update_kv_cache_limit(ipc_name: str, kv_cache_limit: int) -> MemInfo | None:
+    """Set the KV memory limit (bytes, all layers, K and V) of a running instance.
+
+    The engine applies it within a second. A limit below what is in use is kept:
+    the pool shrinks to it as blocks are freed. Returns None if there is no such segment.
+    """
+    try:
+        return mem_info.write_limit(get_ipc_name(ipc_name), int(kv_cache_limit))
+    except FileNotFoundError:
+        return None
+
+
+def delete_kv_cache_segment(ipc_name: str) -> bool:
+    return mem_info.delete_segment(get_ipc_name(ipc_name))
+
+
+def list_kv_cache_segments() -> list[str]:
+    return mem_info.list_segments()
+
+
+_format_size = format_size
+
+__all__ = [
+    "SHM_DIR", "MemInfoStruct", "get_ipc_path", "get_ipc_name", "get_kv_cache_limit", "update_kv_cache_limit",
+    "delete_kv_cache_segment", "list_kv_cache_segments", "format_size", "parse_size",
+]

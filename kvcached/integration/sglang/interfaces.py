@@ -1,0 +1,113 @@
+"""SGLang entry points, with kvcached's names and signatures.
+
+SGLang keeps per-token K and V buffers ``[num_tokens, H, D]`` per layer and calls
+its token groups "pages" (``page_size`` tokens); kvcached calls them blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcached import vmm_ops
+from kvcached.errors import KVCachedConfigError, KVCachedStateError
+from kvcached.integration.vllm.interfaces import _default_device, virtual_bytes_per_kv
+from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.layout import KVGeometry, KVSpec, mla_view, sglang_buffers
+from kvcached.utils import get_kvcached_logger, normalize_gpu_device
+
+logger = get_kvcached_logger()
+
+_kvcached_initialized: bool = False
+_kvcached_device: str | None = None
+_async_sched: bool = False
+_world_size: int = 1
+_pp_rank: int = 0
+
+
+def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, device: str | None = None,
+                  async_sched: bool = False, contiguous_layout: bool | None = None) -> None:
+    global _kvcached_initialized, _kvcached_device, _async_sched, _world_size, _pp_rank
+    if world_size != 1:
+        raise KVCachedConfigError(f"kvcached supports tensor parallel size 1 for now, got world_size={world_size}.")
+    if _kvcached_initialized and vmm_ops.is_initialized():
+        return
+    device = normalize_gpu_device(device or _default_device())
+    vmm_ops.init_kvcached(device, None, contiguous_layout)
+    _kvcached_initialized, _kvcached_device = True, device
+    _async_sched, _world_size, _pp_rank = async_sched, world_size, pp_rank
+
+
+def shutdown_kvcached() -> bool:
+    global _kvcached_initialized, _kvcached_device, _async_sched
+    if _kvcached_initialized and vmm_ops.is_initialized():
+        vmm_ops.shutdown_kvcached()
+    _kvcached_initialized, _kvcached_device, _async_sched = False, None, False
+    return True
+
+
+def alloc_kv_cache(kvcache_shape: tuple[int, ...], dtype: torch.dtype, device: str, num_layers: int,
+                   page_size: int = 1, attention_type: str = "MHA", kv_layout: str = "NHD",
+                   group_id: int = 0) -> Any:
+    """MHA/GQA: ``(k_buffers, v_buffers)``, each a per-layer ``[num_tokens, H, D]`` view.
+    MLA: a per-layer list of ``[num_tokens, 1, D]`` views. ``kvcache_shape`` is
+    ``(num_tokens, H, D)``; ``num_tokens`` becomes what the device could hold."""
+    if not _kvcached_initialized or not vmm_ops.is_initialized():
+        raise KVCachedStateError("kvcached is not initialized; call init_kvcached() first.")
+    rt = vmm_ops.runtime()
+    if attention_type not in ("MHA", "GQA", "MLA"):
+        raise KVCachedConfigError(f"attention type {attention_type!r} is not supported; use MHA, GQA or MLA.")
+    is_mla = attention_type == "MLA"
+    if not is_mla and kv_layout != "NHD":
+        raise KVCachedConfigError(f"KV layout {kv_layout!r} is not supported; use NHD.")
+    shape = tuple(int(s) for s in kvcache_shape)
+    if len(shape) != 3:
+        raise KVCachedConfigError(f"SGLang kv cache shape must be (num_tokens, heads, head_dim), got {shape}.")
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise KVCachedConfigError(f"page_size (tokens per block) must be a positive int, got {page_size!r}.")
+    heads, head_size = shape[1], shape[2]
+    if is_mla and heads != 1:
+        raise KVCachedConfigError(f"MLA kv cache shape must have 1 head, got {shape}.")
+    kv = 1 if is_mla else 2
+    block_bytes = page_size * heads * head_size * dtype.itemsize
+    if rt.page_size % block_bytes:
+        raise KVCachedConfigError(
+            f"a block of {page_size} tokens ({block_bytes} B) does not divide the {rt.page_size >> 20} MiB page; "
+            "pick a power-of-two page size."
+        )
+    per_kv = virtual_bytes_per_kv(rt, num_layers, kv)
+    num_blocks = per_kv // rt.page_size * (rt.page_size // block_bytes)
+    if shape[0] > num_blocks * page_size:
+        logger.warning("requested %d tokens, the device can hold %d", shape[0], num_blocks * page_size)
+    geom = KVGeometry(KVSpec(num_layers, num_blocks, page_size, heads, head_size, dtype, kv), rt.layout,
+                      rt.page_size)
+    if is_mla and page_size != 1 and rt.layout.value == "contiguous":
+        raise KVCachedConfigError(
+            "SGLang MLA buffers on the contiguous layout need page_size=1; use page size 1 or "
+            "KVCACHED_CONTIGUOUS_LAYOUT=false."
+        )
+    raw = vmm_ops.create_kv_tensors(per_kv * kv, dtype.itemsize, device, num_layers, kv, group_id)
+    if is_mla:
+        out = []
+        for layer in range(num_layers):
+            v = mla_view(raw, geom, layer)  # (N, bs, D)
+            out.append(v.view(num_blocks * page_size, 1, head_size))
+        return out
+    ks, vs = [], []
+    for layer in range(num_layers):
+        k, v = sglang_buffers(raw, geom, layer)
+        ks.append(k)
+        vs.append(v)
+    return ks, vs
+
+
+def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_layers: int,
+                         reserve_null_block: bool = True, num_kv_buffers: int = 2, group_id: int = 0,
+                         pool_name: str | None = None) -> KVCacheManager:
+    """Token-slot allocator (``block_size`` = SGLang page size); slot 0 is SGLang's padding slot."""
+    if not _kvcached_initialized or not vmm_ops.is_initialized():
+        raise KVCachedStateError("kvcached is not initialized; call init_kvcached() first.")
+    return KVCacheManager(num_blocks, block_size, cell_size, num_layers, _world_size, pp_rank=_pp_rank,
+                          async_sched=_async_sched, reserve_null_block=reserve_null_block,
+                          num_kv_buffers=num_kv_buffers, group_id=group_id, pool_name=pool_name)

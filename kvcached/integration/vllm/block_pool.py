@@ -1,0 +1,233 @@
+"""vLLM's scheduler block pool, drawing its blocks from kvcached's ``KVCacheManager``.
+
+vLLM's own pool keeps every block of a preallocated cache in a free queue. Here a
+block id exists physically only while kvcached holds it: a block with live tokens
+(``ref_cnt > 0``) or a prefix-cached block kept for reuse. The free queue holds
+only those evictable cached blocks (least recently used first); every other free
+block is given back to kvcached at once, so memory follows load.
+
+Invariants:
+- a block id handed to vLLM was allocated from kvcached, and is given back
+  exactly once, when its ``ref_cnt`` drops to 0 and it is not kept as cache;
+- ``get_num_free_blocks()`` is what the scheduler may take right now: when vLLM
+  asks it with a concrete need (see ``patches``), the blocks are reserved in
+  kvcached first, so another engine cannot take the memory between the
+  scheduler's check and its allocation. A shortfall makes ``allocate_slots``
+  return None (the request waits or is preempted); it never raises;
+- cached blocks are bounded by ``KVCACHED_MAX_CACHED_TOKENS`` and are evicted
+  whole pages first, so evicting them actually unmaps memory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_events import AllBlocksCleared
+from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from kvcached import config
+from kvcached.errors import KVCachePoolExhausted
+from kvcached.integration.vllm import interfaces, kv_alloc
+from kvcached.utils import get_kvcached_logger
+
+logger = get_kvcached_logger()
+
+
+class KVCachedBlockPool(BlockPool):
+    """A ``BlockPool`` whose physical blocks come from kvcached (same constructor as vLLM's)."""
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, *args: Any,
+                 **kwargs: Any) -> None:
+        info = kv_alloc.pool_info()
+        if num_gpu_blocks > info.num_blocks:
+            raise KVCachePoolExhausted(
+                f"vLLM's scheduler asks for {num_gpu_blocks} blocks but kvcached's KV tensors hold "
+                f"{info.num_blocks}; this is a kvcached bug, please report it."
+            )
+        super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
+        # vLLM's queue starts with every block; ours holds only evictable cached blocks.
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.kv = interfaces.get_kv_cache_manager(num_gpu_blocks, info.block_size, info.cell_size,
+                                                  info.num_layers, num_kv_buffers=1, group_id=info.group_id,
+                                                  pool_name="vllm", reserve_null_block=True)
+        if self.null_block.block_id != 0 or self.kv.null_block != [0]:
+            raise KVCachePoolExhausted("kvcached could not reserve block 0 as vLLM's null block.")
+        self.blocks_per_page = self.kv.blocks_per_page
+        self._page_count: Counter[int] = Counter({0: 1})  # blocks held from kvcached, per page
+        self._held = 0  # blocks reserved in kvcached for the allocation the scheduler just checked
+        self._pending_need: int | None = None
+        self.max_cached_blocks = self._max_cached_blocks(info.block_size)
+
+    @staticmethod
+    def _max_cached_blocks(block_size: int) -> int:
+        tokens = config.max_cached_tokens()
+        if tokens < 0:
+            return 1 << 62
+        return tokens // block_size
+
+    # -- how many blocks the scheduler may take ---------------------------
+    def expect(self, need: int) -> None:
+        """The scheduler is about to compare ``need`` blocks with :meth:`get_num_free_blocks`."""
+        self._pending_need = need
+
+    def get_num_free_blocks(self) -> int:
+        need, self._pending_need = self._pending_need, None
+        if need is not None and need > 0 and not self._reserve(need):
+            return need - 1  # a scheduling miss: allocate_slots returns None
+        return self.kv.available_size() + self.free_block_queue.num_free_blocks
+
+    def _reserve(self, need: int) -> bool:
+        """Hold ``need`` blocks in kvcached (evicting cached blocks if that is what it takes)."""
+        short = need - self._held
+        if short <= 0:
+            return True
+        if self.kv.try_to_reserve(short):
+            self._held += short
+            return True
+        if self._evict(short) and self.kv.try_to_reserve(short):
+            self._held += short
+            return True
+        return False
+
+    def release_unused(self) -> None:
+        """Give back blocks reserved for a check whose allocation did not use them."""
+        if self._held:
+            self._held = 0
+            self.kv.free_reserved()
+
+    # -- allocation --------------------------------------------------------
+    def _take(self, n: int) -> list[int]:
+        ids = self.kv.alloc(n)
+        if ids is None and self._evict(n):
+            ids = self.kv.alloc(n)
+        if ids is None:
+            raise KVCachePoolExhausted(
+                f"kvcached could not provide {n} KV blocks that the scheduler had checked for; free memory, "
+                "raise the limit (kvctl limit) or lower the load."
+            )
+        self._held = max(0, self._held - n)
+        bpp = self.blocks_per_page
+        for i in ids:
+            self._page_count[i // bpp] += 1
+        return ids
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks <= 0:
+            return []
+        ret = [self.blocks[i] for i in self._take(num_blocks)]
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        for block in ret:
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            if block.ref_cnt != 0:
+                raise AssertionError(f"kvcached handed out block {block.block_id} that vLLM still uses.")
+            block.ref_cnt = 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return ret
+
+    def _give_back(self, blocks: list[KVCacheBlock]) -> None:
+        if not blocks:
+            return
+        bpp = self.blocks_per_page
+        for b in blocks:
+            self._page_count[b.block_id // bpp] -= 1
+        self.kv.free([b.block_id for b in blocks])
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        keep: list[KVCacheBlock] = []
+        drop: list[KVCacheBlock] = []
+        others: dict[BlockPool, list[KVCacheBlock]] = {}
+        for block in ordered_blocks:
+            if block.pool is not None and block.pool is not self:
+                others.setdefault(block.pool, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                if self.enable_caching and block.block_hash is not None:
+                    keep.append(block)
+                else:
+                    drop.append(block)
+        self._give_back(drop)
+        self.free_block_queue.append_n(keep)
+        excess = self.free_block_queue.num_free_blocks - self.max_cached_blocks
+        if excess > 0:
+            self._evict(excess)
+        for pool, blocks in others.items():
+            pool.free_blocks(blocks)
+
+    # -- eviction ----------------------------------------------------------
+    def _evict(self, want: int) -> int:
+        """Give back at least ``want`` cached blocks (all if fewer), whole pages first; returns how many."""
+        queue = self.free_block_queue
+        if want <= 0 or queue.num_free_blocks == 0:
+            return 0
+        bpp = self.blocks_per_page
+        by_page: dict[int, list[KVCacheBlock]] = {}
+        for block in queue.get_all_free_blocks():  # least recently used first
+            by_page.setdefault(block.block_id // bpp, []).append(block)
+        whole = [blocks for page, blocks in by_page.items() if len(blocks) == self._page_count[page]]
+        partial = [blocks for page, blocks in by_page.items() if len(blocks) != self._page_count[page]]
+        chosen: list[KVCacheBlock] = []
+        for blocks in whole + partial:
+            if len(chosen) >= want:
+                break
+            chosen.extend(blocks)
+        for block in chosen:
+            queue.remove(block)
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+        if self._reuse_watchers:
+            self._notify_reuse(chosen)
+        self._give_back(chosen)
+        return len(chosen)
+
+    def shrink_to_limit(self) -> None:
+        """Evict cached blocks while the pool holds more pages than its limit allows (kvctl limit)."""
+        alloc = self.kv.page_allocator
+        over = int(alloc.num_in_use) - int(alloc.limit_pages)
+        if over > 0 and self.free_block_queue.num_free_blocks:
+            self._evict(over * self.blocks_per_page)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        super().evict_blocks(block_ids)
+        # A block whose hash was dropped is no longer cache: give it back if nobody holds it.
+        stale = [self.blocks[i] for i in block_ids
+                 if self.blocks[i].ref_cnt == 0 and not self.blocks[i].is_null
+                 and self.blocks[i].block_hash is None and self.blocks[i].next_free_block is not None]
+        for block in stale:
+            self.free_block_queue.remove(block)
+        self._give_back(stale)
+
+    def _num_in_use(self) -> int:
+        """Blocks that requests hold (not the null block, cached or reserved ones)."""
+        return self.kv.num_allocated_blocks() - 1 - self.free_block_queue.num_free_blocks - self._held
+
+    def reset_prefix_cache(self) -> bool:
+        in_use = self._num_in_use()
+        if in_use > 0:
+            logger.warning("Failed to reset prefix cache because %d blocks are still in use", in_use)
+            return False
+        self._evict(self.free_block_queue.num_free_blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
+        for block in self.blocks:
+            block.reset_hash()
+        if self.metrics_collector:
+            self.metrics_collector.reset()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        logger.info("Successfully reset prefix cache")
+        return True
+
+    def get_usage(self) -> float:
+        return max(0.0, self._num_in_use() / max(1, self.num_gpu_blocks - 1))
+
+    def close(self) -> None:
+        self.kv.close()

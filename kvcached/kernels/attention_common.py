@@ -1,0 +1,121 @@
+"""The inner step shared by the prefill and decode attention kernels.
+
+One call consumes ``BLOCK_N`` keys of a paged cache: it gathers their K and V rows
+through the block table (every stride explicit, offsets in int64 because the
+contiguous layout's block stride times a block id overflows int32), scores them
+against the ``BLOCK_M`` query rows and folds them into the online softmax.
+Scores are kept in the log2 domain (``log2(e)`` is folded into the scale) so the
+exponentials are ``exp2``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+# A finite "minus infinity" for the running max: a row that has seen only masked
+# keys then gives exp2(-inf - NEG_BIG) = 0 and alpha = 1 instead of NaN.
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def tanh_f32(x):
+    # tl has no portable tanh across triton 3.x / ROCm; exp overflows to inf -> +-1, which is right.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def attn_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    start,
+    key_hi,
+    q_pos,
+    slope,
+    k_ptr,
+    v_ptr,
+    bt_row_ptr,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    qk_scale,
+    softcap,
+    window,
+    d,
+    d_mask,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAD_D: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """``k_ptr``/``v_ptr`` already point at the KV head; ``bt_row_ptr`` at the block-table row.
+
+    ``MASK`` False means every key of the tile is visible to every row and lies
+    below ``key_hi`` (interior tiles): no per-key masks at all.
+    """
+    keys = start + tl.arange(0, BLOCK_N)
+    if MASK:
+        in_range = keys < key_hi
+        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE).to(tl.int64)
+    off = (keys % BLOCK_SIZE).to(tl.int64)
+    k_rows = k_ptr + blk * stride_kb + off * stride_kt
+    v_rows = v_ptr + blk * stride_vb + off * stride_vt
+    if MASK:
+        if PAD_D:
+            kv_mask = in_range[:, None] & d_mask[None, :]
+        else:
+            kv_mask = in_range[:, None]
+        k = tl.load(k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    elif PAD_D:
+        k = tl.load(k_rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_rows[:, None] + d[None, :])
+    if FP8_KV:
+        k = k.to(q.dtype)
+    if INTERP:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if SOFTCAP:
+        s = softcap * tanh_f32(s / softcap) * LOG2E
+    if ALIBI:
+        rel = (keys[None, :] - q_pos[:, None]).to(tl.float32)
+        s = s + slope[:, None] * rel
+    if MASK:
+        visible = in_range[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (keys[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASK:
+        v = tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    elif PAD_D:
+        v = tl.load(v_rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(v_rows[:, None] + d[None, :])
+    if FP8_KV:
+        v = v.to(q.dtype)
+    if INTERP:
+        pv = tl.dot(p, v.to(tl.float32))
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i

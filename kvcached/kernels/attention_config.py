@@ -1,0 +1,162 @@
+"""Launch configurations of the attention kernels, chosen per vendor by heuristic.
+
+NVIDIA and AMD get separate tables. Results are cached per shape key. Benchmarks
+sweep the knobs through :func:`override` (a context manager), e.g.
+``with override(decode_block_n=128, decode_num_warps=8): ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from kvcached.kernels.platform import interpreting, is_hip
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per iteration
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    waves_per_eu: int = 0  # HIP only; 0 = leave to the compiler
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    waves_per_eu: int = 0
+
+
+_OVERRIDES: dict[str, int] = {}
+KNOBS = (
+    "decode_block_n",
+    "decode_num_warps",
+    "decode_num_stages",
+    "decode_num_splits",
+    "decode_waves_per_eu",
+    "prefill_block_m",
+    "prefill_block_n",
+    "prefill_num_warps",
+    "prefill_num_stages",
+    "prefill_waves_per_eu",
+    "min_keys_per_split",
+    "programs_per_sm",
+)
+
+
+@contextlib.contextmanager
+def override(**knobs: int) -> Iterator[None]:
+    """Force launch knobs (for benchmarks and tests); unknown names raise ValueError."""
+    bad = sorted(set(knobs) - set(KNOBS))
+    if bad:
+        raise ValueError(f"unknown attention knob(s) {bad}; known: {', '.join(KNOBS)}.")
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(knobs)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+@functools.lru_cache(maxsize=16)
+def num_compute_units(device_index: int) -> int:
+    """SMs (NVIDIA) or CUs (AMD); a small stand-in in the CPU interpreter."""
+    if not torch.cuda.is_available():
+        return 8
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip: bool) -> int:
+    min_keys = _OVERRIDES.get("min_keys_per_split", 256)
+    per_unit = _OVERRIDES.get("programs_per_sm", 2 if hip else 2)
+    want = triton.cdiv(units * per_unit, max(programs, 1))
+    by_len = triton.cdiv(max_seq_len, max(min_keys, block_n))
+    return max(1, min(want, by_len, 128))
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_base(head_pad: int, block_h: int, kv_itemsize: int, hip: bool) -> DecodeConfig:
+    if interpreting():
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1, num_splits=1)
+    if hip:
+        # MI300: 64-wide waves, no cp.async pipelining; fewer stages, 1 wave per EU target off.
+        block_n = 64 if head_pad <= 128 else 32
+        return DecodeConfig(block_n=block_n, num_warps=4, num_stages=1, num_splits=1, waves_per_eu=2)
+    block_n = 64 if head_pad <= 128 else 32
+    if kv_itemsize == 1 and head_pad <= 128:
+        block_n = 128
+    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3 if head_pad <= 128 else 2, num_splits=1)
+
+
+def decode_config(
+    num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int, device_index: int
+) -> DecodeConfig:
+    hip = is_hip()
+    base = _decode_base(head_pad, block_h, kv_itemsize, hip)
+    o = _OVERRIDES
+    block_n = o.get("decode_block_n", base.block_n)
+    splits = o.get("decode_num_splits")
+    if splits is None:
+        units = num_compute_units(device_index)
+        splits = _pick_splits(num_seqs * num_kv_heads, max_seq_len, block_n, units, hip)
+    return replace(
+        base,
+        block_n=block_n,
+        num_warps=o.get("decode_num_warps", base.num_warps),
+        num_stages=o.get("decode_num_stages", base.num_stages),
+        num_splits=max(1, int(splits)),
+        waves_per_eu=o.get("decode_waves_per_eu", base.waves_per_eu),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _prefill_base(head_pad: int, kv_itemsize: int, hip: bool) -> PrefillConfig:
+    if interpreting():
+        return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if hip:
+        if head_pad <= 64:
+            return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=1, waves_per_eu=2)
+        if head_pad <= 128:  # block_n 64 spills on gfx942 (compile check: 256 vgprs + scratch)
+            return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=1, waves_per_eu=2)
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1, waves_per_eu=2)
+    if head_pad <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_pad <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int) -> PrefillConfig:
+    base = _prefill_base(head_pad, kv_itemsize, is_hip())
+    o = _OVERRIDES
+    block_m = o.get("prefill_block_m", base.block_m)
+    if "prefill_block_m" not in o and not interpreting():
+        # short chunks (speculative / small chunked prefill) waste most of a 128-row tile
+        while block_m > 16 and block_m // 2 >= max_query_len:
+            block_m //= 2
+    return replace(
+        base,
+        block_m=block_m,
+        block_n=o.get("prefill_block_n", base.block_n),
+        num_warps=o.get("prefill_num_warps", base.num_warps if block_m >= 64 else min(4, base.num_warps)),
+        num_stages=o.get("prefill_num_stages", base.num_stages),
+        waves_per_eu=o.get("prefill_waves_per_eu", base.waves_per_eu),
+    )
+
+
+def launch_options(num_warps: int, num_stages: int, waves_per_eu: int) -> dict[str, int]:
+    """Keyword options for a kernel launch; ``waves_per_eu`` only where Triton-ROCm takes it."""
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if is_hip() and waves_per_eu and not interpreting():
+        opts["waves_per_eu"] = waves_per_eu
+    return opts

@@ -1,0 +1,259 @@
+"""Compile every kernel variant the dispatchers can choose, ahead of time, for GPUs we may not have.
+
+    python -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90
+
+Each kernel module exposes ``compile_variants(target) -> list[CompileVariant]``; this
+collects them (write_kv, mla_decode, paged_attention and every attention_*.py), compiles
+each for each target with ``triton.compile`` (no GPU needed: the Triton wheel carries
+LLVM's AMDGPU backend and ptxas), prints one line per variant x target and exits 1 on
+any failure. It must run in its own process without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import functools
+import importlib
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODULES = ("kvcached.kernels.write_kv", "kvcached.kernels.mla_decode", "kvcached.kernels.paged_attention")
+# tests-only kernels, never chosen by a dispatcher
+NOT_DISPATCHED = ("kvcached.kernels.dense_reference",)
+_TARGET_RE = re.compile(r"^(sm(\d+)|gfx[0-9a-f]+)$")
+
+
+@dataclass
+class Result:
+    name: str
+    target: str
+    ok: bool
+    ms: float
+    info: str
+    error: str = ""
+
+
+def gpu_target(name: str):
+    from triton.backends.compiler import GPUTarget
+
+    m = _TARGET_RE.match(name)
+    if not m:
+        raise ValueError(f"unknown target {name!r}; use sm80, sm90, sm100, gfx90a, gfx942, gfx950, gfx1100...")
+    if m.group(2):
+        return GPUTarget("cuda", int(m.group(2)), 32)
+    # RDNA (gfx10xx/11xx/12xx) runs wave32; CDNA wave64
+    return GPUTarget("hip", name, 32 if name.startswith(("gfx10", "gfx11", "gfx12")) else 64)
+
+
+def default_modules() -> list[str]:
+    here = Path(__file__).parent
+    extra = sorted(f"kvcached.kernels.{p.stem}" for p in here.glob("attention_*.py"))
+    return list(DEFAULT_MODULES) + extra
+
+
+@functools.cache
+def _variants(module: str, target: str) -> list:
+    return list(importlib.import_module(module).compile_variants(target))
+
+
+def _resources_cuda(cubin: bytes) -> str:
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        try:
+            import triton
+
+            cand = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+            tool = str(cand) if cand.exists() else None
+        except Exception:
+            tool = None
+    if tool is None:
+        return "regs=?"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return "regs=?"
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", out)
+    if not m:
+        return "regs=?"
+    return f"regs={m.group(1)} stack={m.group(2)} local={m.group(4)}"
+
+
+def _resources_hip(asm: str) -> str:
+    def grab(*keys: str) -> str:
+        for key in keys:
+            m = re.search(rf"{re.escape(key)}\s*:?\s*(\d+)", asm)
+            if m:
+                return m.group(1)
+        return "?"
+
+    return (f"vgprs={grab('; NumVgprs:', '.vgpr_count:')} sgprs={grab('; NumSgprs:', '.sgpr_count:')} "
+            f"spills={grab('.vgpr_spill_count:')} scratch={grab('; ScratchSize:')}")
+
+
+def compile_one(module: str, index: int, target: str) -> Result:
+    import triton
+    from triton.compiler import ASTSource
+
+    v = _variants(module, target)[index]
+    name = f"{module.rsplit('.', 1)[-1]}:{v.name}"
+    t0 = time.perf_counter()
+    try:
+        fn = v.fn
+        arg_names = list(fn.arg_names)
+        # pointers are 16-byte aligned in practice (torch allocations); tell the compiler so loads vectorise
+        attrs = {(arg_names.index(k),): [["tt.divisibility", 16]] for k, t in v.signature.items() if t.startswith("*")}
+        src = ASTSource(fn=fn, signature=dict(v.signature), constexprs=dict(v.constexprs), attrs=attrs)
+        opts = dict(v.options)
+        if not target.startswith("gfx"):
+            opts.pop("waves_per_eu", None)
+        compiled = triton.compile(src, target=gpu_target(target), options=opts)
+        asm = compiled.asm
+        info = _resources_hip(asm.get("amdgcn", "")) if target.startswith("gfx") else _resources_cuda(asm["cubin"])
+        shared = getattr(compiled.metadata, "shared", None)
+        if shared is not None:
+            info += f" smem={shared}"
+        return Result(name, target, True, (time.perf_counter() - t0) * 1e3, info)
+    except Exception as exc:  # every failure is reported, none aborts the run
+        msg = " ".join(str(exc).split())
+        return Result(name, target, False, (time.perf_counter() - t0) * 1e3, "", f"{type(exc).__name__}: {msg}")
+
+
+def _jit_functions(module) -> list:
+    from triton.runtime.jit import JITFunction
+
+    out = []
+    for value in vars(module).values():
+        fn = value
+        while fn is not None and not isinstance(fn, JITFunction):
+            fn = getattr(fn, "fn", None)  # autotuner / heuristics wrappers
+        if isinstance(fn, JITFunction) and fn.fn.__module__ == module.__name__:
+            out.append(fn)
+    return out
+
+
+def coverage_problems(modules: list, variant_fns: set[int]) -> list[str]:
+    """Kernels defined in the modules that no compile_variants lists (helpers called by kernels are fine)."""
+    fns = [f for m in modules for f in _jit_functions(m)]
+    problems = []
+    for f in fns:
+        if id(f) in variant_fns:
+            continue
+        if any(re.search(rf"\b{re.escape(f.__name__)}\s*\(", g.src) for g in fns if g is not f):
+            continue
+        problems.append(f"{f.fn.__module__}.{f.__name__} is a Triton kernel that no compile_variants() lists")
+    return problems
+
+
+def _matches(patterns: list[str], text: str) -> bool:
+    return not patterns or any(p in text for p in patterns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcached.kernels.compile_check", description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="gfx942,gfx90a,gfx950,sm80,sm90",
+                    help="comma-separated: sm80, sm90, sm100, gfx90a, gfx942, gfx950, gfx1100...")
+    ap.add_argument("--only", default="",
+                    help="comma-separated substrings: keep modules whose short name matches one; within them, "
+                         "variants whose 'module:variant' name contains one (a module name keeps all its variants)")
+    ap.add_argument("--modules", default="", help="comma-separated extra modules exposing compile_variants(target)")
+    ap.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
+    args = ap.parse_args(argv)
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: TRITON_INTERPRET is set; ahead-of-time compilation does not work inside the "
+              "interpreter. Run it in its own process with TRITON_INTERPRET unset (env -u TRITON_INTERPRET ...).",
+              file=sys.stderr)
+        return 2
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    for t in targets:
+        gpu_target(t)  # validates the name early
+    patterns = [p.strip() for p in args.only.split(",") if p.strip()]
+    extra = [m.strip() for m in args.modules.split(",") if m.strip()]
+    module_names = [m for m in default_modules() if m not in NOT_DISPATCHED] + extra
+
+    failures: list[str] = []
+    loaded = []
+    jobs: list[tuple[str, int, str]] = []
+    for mod_name in module_names:
+        short = mod_name.rsplit(".", 1)[-1]
+        if patterns and not any(p in short or short in p for p in patterns):
+            continue
+        try:
+            module = importlib.import_module(mod_name)
+        except Exception as exc:
+            failures.append(f"{mod_name}: cannot be imported: {type(exc).__name__}: {exc}")
+            continue
+        loaded.append(module)
+        if not hasattr(module, "compile_variants"):
+            if short.startswith("attention_") and short != "attention_decode" and not _jit_functions(module):
+                continue  # a helper module without kernels
+            if short.startswith("attention_"):
+                continue  # its kernels must be listed by paged_attention; checked by coverage below
+            failures.append(f"{mod_name} has no compile_variants(target): every kernel module must list the "
+                            "variants its dispatcher can choose (see kvcached/kernels/platform.py CompileVariant)")
+            continue
+        for target in targets:
+            try:
+                variants = _variants(mod_name, target)
+            except Exception as exc:
+                failures.append(f"{mod_name}.compile_variants({target!r}) raised {type(exc).__name__}: {exc}")
+                continue
+            for i, v in enumerate(variants):
+                full = f"{short}:{v.name}"
+                if patterns and not any(p in full or p == short for p in patterns):
+                    continue
+                jobs.append((mod_name, i, target))
+
+    if not patterns:
+        listed = {id(v.fn) for m in loaded if hasattr(m, "compile_variants") for t in targets
+                  for v in _variants(m.__name__, t)}
+        failures += coverage_problems(loaded, listed)
+
+    t0 = time.perf_counter()
+    results: list[Result] = []
+    if args.jobs > 1 and len(jobs) > 1:
+        ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+            for r in pool.map(compile_one, *zip(*jobs, strict=True), chunksize=1):
+                results.append(r)
+                _print(r)
+    else:
+        for job in jobs:
+            r = compile_one(*job)
+            results.append(r)
+            _print(r)
+    total = time.perf_counter() - t0
+    bad = [r for r in results if not r.ok]
+    for f in failures:
+        print(f"FAIL  {f}")
+    print(f"compile_check: {len(results) - len(bad)}/{len(results)} variant x target compiles OK in {total:.1f} s "
+          f"({args.jobs} processes); {len(bad)} failed; {len(failures)} other problem(s).")
+    if not jobs and not failures:
+        print("compile_check: nothing matched; check --only/--modules.")
+        return 1
+    return 1 if bad or failures else 0
+
+
+def _print(r: Result) -> None:
+    status = "OK  " if r.ok else "FAIL"
+    line = f"{status}  {r.target:<7} {r.ms:8.0f} ms  {r.name}  {r.info}"
+    if not r.ok:
+        line += f"\n      {r.error[:2000]}"
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

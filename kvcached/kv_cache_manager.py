@@ -1,0 +1,330 @@
+"""``KVCacheManager``: blocks of a KV cache whose physical memory follows use.
+
+A thin layer over the native ``BlockPool`` (blocks within pages) and
+``PageAllocator`` (pages mapped under the virtual KV tensors): the fast path
+(``alloc``/``free``/``available_size``) is one native call, with no Python loop
+over blocks and no lock unless the engine schedules asynchronously.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvcached import config, vmm_ops
+from kvcached.errors import KVCachedConfigError, KVCachedStateError, KVCachePoolExhausted
+from kvcached.utils import get_kvcached_logger
+
+logger = get_kvcached_logger()
+
+KV_TENSOR_WAIT_TIMEOUT: float = 10.0  # seconds to wait for create_kv_tensors in another thread
+
+
+def _locked(lock: threading.RLock, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class KVCacheManager:
+    """Hands out KV block ids of one KV-cache group; maps pages under them as needed.
+
+    Args (as in kvcached):
+        num_blocks: blocks the engine may address.
+        block_size: tokens per block.
+        cell_size: bytes of one token of one layer's K (or V).
+        num_layers: layers sharing each block id.
+        world_size: tensor-parallel size (only 1 is supported).
+        async_sched: the engine calls from several threads: every call takes a lock.
+        reserve_null_block: block 0 is taken at start and never handed out (SGLang, vLLM padding).
+        num_kv_buffers: 2 for K and V, 1 for MLA or a unified pool.
+        group_id: which ``create_kv_tensors`` group the blocks live in.
+
+    Promises: a block id returned by :meth:`alloc` (or held by
+    :meth:`try_to_reserve`) is backed by physical memory mapped at that moment;
+    two engines sharing a device can never both hold the same memory. Numbers
+    such as :meth:`available_size` are advisory: another engine may take the
+    memory before the next ``alloc``, which then returns None.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
+                 pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
+                 num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None,
+                 tp_size: int | None = None) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("cell_size", cell_size),
+                            ("num_layers", num_layers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise KVCachedConfigError(f"KVCacheManager: {name} must be a positive int, got {value!r}.")
+        if tp_size is not None:
+            world_size = tp_size
+        if world_size != 1:
+            raise KVCachedConfigError(
+                f"KVCacheManager: tensor parallelism (world_size={world_size}) is not supported yet; use 1."
+            )
+        if num_kv_buffers not in (1, 2):
+            raise KVCachedConfigError(f"num_kv_buffers must be 1 or 2, got {num_kv_buffers!r}.")
+        rt = vmm_ops.runtime()
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.cell_size = cell_size
+        self.block_mem_size = block_size * cell_size
+        self.num_layers = num_layers
+        self.num_kv_buffers = num_kv_buffers
+        self.group_id = group_id
+        self.pool_name = pool_name or f"group{group_id}"
+        self.async_sched = async_sched
+        self.reserve_null_block = reserve_null_block
+        self.page_size = rt.page_size
+        if self.block_mem_size > self.page_size or self.page_size % self.block_mem_size:
+            raise KVCachedConfigError(
+                f"a KV block of {self.block_mem_size} B (block_size={block_size} x cell_size={cell_size}) does "
+                f"not divide the {self.page_size >> 20} MiB page, so blocks would straddle pages; pick a "
+                "power-of-two block size, or set KVCACHED_PAGE_SIZE_MB to a multiple of the block size."
+            )
+        self.blocks_per_page = self.page_size // self.block_mem_size
+        self.num_pages = -(-num_blocks // self.blocks_per_page)
+        self.page_group_bytes = num_layers * num_kv_buffers * self.page_size
+        # NOTE: per layer and per K/V, as kvcached defines it
+        self.mem_size = num_blocks * self.block_mem_size
+        self._reserve = config.reserve_config()
+        self._util = config.gpu_utilization()
+
+        self._reserved: list[int] = []
+        self._limits: dict[str, int] = {}
+        self._limit_lock = threading.Lock()
+        self._pool: Any = None
+        self._allocator: Any = None
+        self._closed = False
+        self.null_block: list[int] | None = None
+        self._runtime = rt
+        rt.managers.add(self)
+        if vmm_ops.kv_tensors_created(group_id):
+            self._bind()
+        if async_sched:
+            self._lock = threading.RLock()
+            for name in ("alloc", "free", "try_to_reserve", "free_reserved", "trim", "resize", "clear"):
+                setattr(self, name, _locked(self._lock, getattr(self, name)))
+
+    # -- binding to the KV tensors ----------------------------------------
+    def _bind(self) -> Any:
+        if self._closed:
+            raise KVCachedStateError(f"KVCacheManager {self.pool_name} is closed; create a new one.")
+        if self._pool is not None:
+            return self._pool
+        deadline = time.monotonic() + KV_TENSOR_WAIT_TIMEOUT
+        while not vmm_ops.kv_tensors_created(self.group_id):
+            if vmm_ops._runtime is not self._runtime:
+                raise KVCachedStateError("kvcached was shut down; this KVCacheManager can no longer be used.")
+            if time.monotonic() > deadline:
+                raise KVCachedStateError(
+                    f"KV tensors of group {self.group_id} were not created within {KV_TENSOR_WAIT_TIMEOUT:.0f} s; "
+                    "call create_kv_tensors (or alloc_kv_cache) before using the KVCacheManager."
+                )
+            time.sleep(0.001)
+        with vmm_ops._lock:
+            group = vmm_ops.get_group(self.group_id)
+            geom = group.geometry
+            if geom.spec.num_layers != self.num_layers or geom.spec.kv_factor != self.num_kv_buffers:
+                raise KVCachedConfigError(
+                    f"KVCacheManager(num_layers={self.num_layers}, num_kv_buffers={self.num_kv_buffers}) does not "
+                    f"match the KV tensors of group {self.group_id} ({geom.spec.num_layers} layers, "
+                    f"{geom.spec.kv_factor} K/V buffers)."
+                )
+            if self.num_pages > geom.num_pages:
+                raise KVCachedConfigError(
+                    f"num_blocks={self.num_blocks} needs {self.num_pages} pages but the KV tensors of group "
+                    f"{self.group_id} hold {geom.num_pages}; lower num_blocks or create larger KV tensors."
+                )
+            if group.owner_alive():
+                raise KVCachedStateError(
+                    f"group {self.group_id} already has a live KVCacheManager (or explicit mappings); close it "
+                    "(manager.close()) or use another group_id."
+                )
+            if group.allocator is not None:
+                group.allocator.close()
+            r = self._reserve
+            allocator = vmm_ops.PageAllocator(self._runtime.backend, group.vtensors, group.regions, self.num_pages,
+                                              r.min_reserved_pages, r.max_reserved_pages, r.prealloc)
+            group.allocator = allocator
+            group.owner = weakref.ref(self)
+            self._allocator = allocator
+            self._pool = vmm_ops.BlockPool(allocator, self.blocks_per_page, self.num_blocks)
+        total = int(self._runtime.backend.mem_info()[1])
+        self._set_limit("utilization", int(self._util * total) // self.page_group_bytes)
+        if self.reserve_null_block:
+            null = self._pool.alloc(1)
+            if null != [0]:
+                raise KVCachedStateError(f"could not reserve block 0 as the null block (got {null}).")
+            self.null_block = null
+        from kvcached import mem_info
+
+        mem_info.register(self)
+        return self._pool
+
+    @property
+    def page_allocator(self) -> Any:
+        self._bind()
+        return self._allocator
+
+    # -- limits -------------------------------------------------------------
+    def _set_limit(self, source: str, pages: int | None) -> bool:
+        """Cap mapped pages at the smallest of every source's cap (utilization, resize, kvctl)."""
+        with self._limit_lock:
+            if pages is None:
+                self._limits.pop(source, None)
+            else:
+                self._limits[source] = max(0, pages)
+            cap = min([self.num_pages, *self._limits.values()])
+            return bool(self._allocator.set_limit_pages(cap))
+
+    @property
+    def limit_pages(self) -> int:
+        self._bind()
+        return int(self._allocator.limit_pages)
+
+    # -- the kvcached API ---------------------------------------------------
+    def alloc(self, need_size: int) -> list[int] | None:
+        """``need_size`` block ids, all backed by mapped memory; None if not possible now."""
+        pool = self._pool or self._bind()
+        if not self._reserved:
+            return pool.alloc(need_size)
+        return self._alloc_with_reserved(pool, need_size)
+
+    def _alloc_with_reserved(self, pool: Any, need_size: int) -> list[int] | None:
+        if not isinstance(need_size, int) or need_size < 0:
+            raise ValueError(f"alloc: need_size must be an int >= 0, got {need_size!r}.")
+        taken = min(need_size, len(self._reserved))
+        rest = need_size - taken
+        extra: list[int] = []
+        if rest:
+            got = pool.alloc(rest)
+            if got is None:
+                return None
+            extra = got
+        out = self._reserved[:taken]
+        del self._reserved[:taken]
+        return out + extra
+
+    def free(self, indices: Sequence[int]) -> None:
+        """Give blocks back; ValueError (nothing freed) for an unknown, reserved or already free id."""
+        pool = self._pool or self._bind()
+        if self._reserved or self.null_block is not None:
+            self._check_freeable(indices)
+        pool.free(indices)
+
+    def _check_freeable(self, indices: Sequence[int]) -> None:
+        if self.null_block is not None and 0 in indices:
+            raise ValueError("block 0 is the null block reserved for padding; it cannot be freed.")
+        if self._reserved:
+            held = set(self._reserved).intersection(indices)
+            if held:
+                raise ValueError(
+                    f"blocks {sorted(held)[:8]} are held by try_to_reserve(); release them with free_reserved()."
+                )
+
+    def try_to_reserve(self, need_size: int) -> bool:
+        """Take ``need_size`` more blocks now for a later :meth:`alloc`; False (nothing taken) if not possible."""
+        pool = self._pool or self._bind()
+        if not isinstance(need_size, int) or isinstance(need_size, bool) or need_size < 0:
+            raise ValueError(f"try_to_reserve: need_size must be an int >= 0, got {need_size!r}.")
+        got = pool.alloc(need_size)
+        if got is None:
+            return False
+        self._reserved.extend(got)
+        return True
+
+    def free_reserved(self) -> None:
+        """Give back every block held by :meth:`try_to_reserve`."""
+        pool = self._pool or self._bind()
+        if self._reserved:
+            held, self._reserved = self._reserved, []
+            pool.free(held)
+
+    def trim(self) -> None:
+        """Unmap every mapped page that holds no block (the prealloc reserve)."""
+        self._bind()
+        self._allocator.trim()
+
+    def resize(self, new_mem_size: int) -> bool:
+        """Cap the pool at ``new_mem_size`` bytes of one layer's K (or V), as in kvcached.
+
+        True if applied now. False if more is in use than the new size: the cap
+        still holds (no new pages are mapped) and the pool shrinks to it as blocks are freed.
+        """
+        self._bind()
+        if not isinstance(new_mem_size, int) or isinstance(new_mem_size, bool) or new_mem_size <= 0:
+            raise ValueError(f"resize: new_mem_size must be a positive int of bytes, got {new_mem_size!r}.")
+        return self._set_limit("resize", new_mem_size // self.page_size)
+
+    def available_size(self) -> int:
+        """Blocks an :meth:`alloc` could get now (advisory: see the class docstring)."""
+        return (self._pool or self._bind()).available() + len(self._reserved)
+
+    def get_mapped_memory_size(self, unit: str = "bytes") -> float:
+        """Bytes of physical memory behind pages that hold blocks (all layers, K and V)."""
+        self._bind()
+        scale = {"bytes": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}.get(unit)
+        if scale is None:
+            raise ValueError(f"unknown unit {unit!r}; use bytes, kb, mb or gb.")
+        used = int(self._allocator.num_in_use) * self.page_group_bytes
+        return used if scale == 1 else used / scale
+
+    @property
+    def mapped_bytes(self) -> int:
+        """All physically mapped bytes, including the prealloc reserve."""
+        self._bind()
+        return int(self._allocator.mapped_bytes)
+
+    def num_allocated_blocks(self) -> int:
+        return int((self._pool or self._bind()).num_allocated())
+
+    def clear(self) -> None:
+        """Free every block (held reservations too); the null block stays reserved."""
+        pool = self._pool or self._bind()
+        self._reserved = []
+        if pool.num_allocated() == 0:
+            return
+        keep = 0 if self.null_block is not None else -1
+        if hasattr(pool, "allocated_ids"):
+            ids = [i for i in pool.allocated_ids() if i != keep]
+        else:
+            ids = [i for i in range(self.num_blocks) if i != keep and pool.is_allocated(i)]
+        if ids:
+            pool.free(ids)
+
+    def close(self) -> None:
+        """Unmap everything and detach from the KV tensors (their pages read as zeros)."""
+        if self._closed:
+            return
+        self._closed = True
+        from kvcached import mem_info
+
+        mem_info.unregister(self)
+        if self._allocator is not None:
+            self._allocator.close()
+            group = self._runtime.groups.get(self.group_id)
+            if group is not None and group.allocator is self._allocator:
+                group.allocator = None
+                group.owner = None
+        self._pool = None
+        self._allocator = None
+
+    def _raise_exhausted(self, need: int) -> None:
+        raise KVCachePoolExhausted(
+            f"{self.pool_name}: cannot provide {need} blocks (available about {self.available_size()}); free "
+            "blocks, raise the limit (kvctl limit) or lower the demand."
+        )
+
+    def alloc_or_raise(self, need_size: int) -> list[int]:
+        """Like :meth:`alloc` but raises KVCachePoolExhausted instead of returning None."""
+        got = self.alloc(need_size)
+        if got is None:
+            self._raise_exhausted(need_size)
+        return got  # type: ignore[return-value]

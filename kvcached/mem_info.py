@@ -1,0 +1,337 @@
+"""Per-instance memory accounting in ``/dev/shm``, and the monitor that obeys limits.
+
+One small file per engine instance, ``/dev/shm/<ipc name>``, holds a fixed,
+versioned little-endian record (see ``_BODY``): the limit set by ``kvctl``, the
+bytes in use and preallocated, the capacity, the owner's pid, layout and device.
+Writers (the engine's monitor thread, ``kvctl``) take ``flock(LOCK_EX)`` and bump a
+sequence counter to odd before and to even after writing; readers take no lock
+and retry until they see the same even counter before and after reading, so a
+read is never torn.
+
+In the engine a daemon thread publishes usage every ``PERIOD`` seconds and applies
+a new limit at once: the pool shrinks to it (never below what is in use; the rest
+follows as blocks are freed) or grows back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import mmap
+import os
+import struct
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvcached.errors import KVCachedStateError
+from kvcached.utils import SHM_DIR, SHM_PREFIX, get_default_ipc_name, get_kvcached_logger
+
+logger = get_kvcached_logger()
+
+MAGIC = b"KVCM"
+VERSION = 1
+PERIOD = 0.1  # seconds between publishes; limits apply within one period
+SEGMENT_BYTES = 4096
+
+_HEADER = struct.Struct("<4sIQ")  # magic, version, sequence counter
+_BODY = struct.Struct("<qqqqqqqq16s48s")  # limit, used, prealloc, capacity, device_total, pid, updated_ns,
+#                                           limit_ns, layout, device
+_SEQ_OFF = 8
+_BODY_OFF = _HEADER.size
+_LIMIT_OFF = _BODY_OFF
+_LIMIT_NS_OFF = _BODY_OFF + 7 * 8
+NO_LIMIT = -1
+
+
+@dataclass
+class MemInfo:
+    """One segment's contents. ``total_size`` is the effective limit in bytes (as in kvcached)."""
+
+    name: str
+    limit: int  # bytes, NO_LIMIT (-1) when none was set
+    used_size: int
+    prealloc_size: int
+    capacity: int
+    device_total: int
+    pid: int
+    updated_ns: int
+    limit_ns: int
+    layout: str
+    device: str
+
+    @property
+    def total_size(self) -> int:
+        return self.capacity if self.limit < 0 else self.limit
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_size"] = self.total_size
+        d["alive"] = pid_alive(self.pid)
+        return d
+
+
+def segment_path(name: str) -> str:
+    if name.startswith("/"):
+        return name
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"bad IPC name {name!r}; use a plain name such as kvcached_proc_1234.")
+    return os.path.join(SHM_DIR, name)
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unpack(name: str, buf: Any) -> MemInfo:
+    magic, version, _ = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise ValueError(f"{segment_path(name)} is not a kvcached segment (bad magic {magic!r}).")
+    if version != VERSION:
+        raise ValueError(f"{segment_path(name)} has layout version {version}; this kvcached reads version {VERSION}.")
+    f = _BODY.unpack_from(buf, _BODY_OFF)
+    return MemInfo(name, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
+                   f[8].rstrip(b"\0").decode(errors="replace"), f[9].rstrip(b"\0").decode(errors="replace"))
+
+
+def _read_consistent(name: str, mm: Any) -> MemInfo:
+    for _ in range(10000):
+        (s1,) = struct.unpack_from("<Q", mm, _SEQ_OFF)
+        if s1 % 2 == 0:
+            info = _unpack(name, mm)
+            (s2,) = struct.unpack_from("<Q", mm, _SEQ_OFF)
+            if s1 == s2:
+                return info
+        time.sleep(0.0001)
+    raise TimeoutError(f"segment {name} stayed mid-write; is a writer stuck?")
+
+
+def read_segment(name: str) -> MemInfo:
+    """Read one segment; FileNotFoundError if absent, ValueError if it is not ours."""
+    with open(segment_path(name), "rb") as f:
+        if os.fstat(f.fileno()).st_size < _BODY_OFF + _BODY.size:
+            raise ValueError(f"{segment_path(name)} is too small to be a kvcached segment.")
+        with mmap.mmap(f.fileno(), _BODY_OFF + _BODY.size, access=mmap.ACCESS_READ) as mm:
+            return _read_consistent(name, mm)
+
+
+class _Writer:
+    """Open segment with flock(LOCK_EX) held; ``write(offset, fmt, *values)`` under the counter."""
+
+    def __init__(self, path: str, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        self.fd = os.open(path, flags, 0o666)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            if os.fstat(self.fd).st_size < SEGMENT_BYTES:
+                if not create:
+                    raise ValueError(f"{path} is too small to be a kvcached segment.")
+                os.ftruncate(self.fd, SEGMENT_BYTES)
+            self.mm = mmap.mmap(self.fd, SEGMENT_BYTES)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mm.close()
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+    def write(self, items: list[tuple[int, str, tuple[Any, ...]]]) -> None:
+        (seq,) = struct.unpack_from("<Q", self.mm, _SEQ_OFF)
+        seq += seq % 2  # a writer that died mid-write left it odd
+        struct.pack_into("<Q", self.mm, _SEQ_OFF, seq + 1)
+        for off, fmt, values in items:
+            struct.pack_into(fmt, self.mm, off, *values)
+        struct.pack_into("<Q", self.mm, _SEQ_OFF, seq + 2)
+
+
+def write_limit(name: str, limit_bytes: int) -> MemInfo:
+    """Set the limit of a live segment (``kvctl limit``); NO_LIMIT removes it."""
+    if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool) or limit_bytes < NO_LIMIT:
+        raise ValueError(f"limit must be an int number of bytes >= 0, got {limit_bytes!r}.")
+    path = segment_path(name)
+    read_segment(name)  # FileNotFoundError / ValueError before touching anything
+    with _Writer(path, create=False) as w:
+        w.write([(_LIMIT_OFF, "<q", (limit_bytes,)), (_LIMIT_NS_OFF, "<q", (time.time_ns(),))])
+        return _read_consistent(name, w.mm)
+
+
+def delete_segment(name: str) -> bool:
+    try:
+        os.unlink(segment_path(name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def list_segments() -> list[str]:
+    """Names of every kvcached segment in SHM_DIR (valid ones only), sorted."""
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return []
+    names = []
+    for entry in entries:
+        if not entry.startswith(SHM_PREFIX):
+            continue
+        try:
+            read_segment(entry)
+        except (OSError, ValueError, TimeoutError):
+            continue
+        names.append(entry)
+    return names
+
+
+# -- the engine side -------------------------------------------------------
+class Publisher:
+    """Owns this process's segment: publishes usage, applies limits, removes it at the end."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.path = segment_path(name)
+        self.managers: weakref.WeakSet = weakref.WeakSet()
+        self._applied: int | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        try:
+            old = read_segment(name)
+        except (FileNotFoundError, ValueError):
+            old = None
+        if old is not None and old.pid != os.getpid() and pid_alive(old.pid):
+            raise KVCachedStateError(
+                f"segment {self.path} belongs to the live process {old.pid}; set KVCACHED_IPC_NAME to a "
+                "unique name for this engine."
+            )
+        with _Writer(self.path, create=True) as w:
+            w.mm[:_BODY_OFF] = _HEADER.pack(MAGIC, VERSION, 0)
+            w.write([(_BODY_OFF, _BODY.format, (NO_LIMIT, 0, 0, 0, 0, os.getpid(), time.time_ns(), 0, b"", b""))])
+        self._thread = threading.Thread(target=self._run, name=f"kvcached-meminfo-{name}", daemon=True)
+        self._thread.start()
+
+    def _snapshot(self) -> tuple[int, int, int, int, str, str]:
+        used = prealloc = capacity = total = 0
+        layout = device = ""
+        for m in list(self.managers):
+            alloc = m._allocator
+            if alloc is None:
+                continue
+            in_use = int(alloc.num_in_use)
+            reserved = int(alloc.num_reserved)
+            used += in_use * m.page_group_bytes
+            prealloc += reserved * m.page_group_bytes
+            capacity += m.num_pages * m.page_group_bytes
+            rt = m._runtime
+            total = int(rt.backend.mem_info()[1])
+            layout, device = rt.layout.value, rt.device
+        return used, prealloc, capacity, total, layout, device
+
+    def publish(self) -> None:
+        used, prealloc, capacity, total, layout, device = self._snapshot()
+        with _Writer(self.path, create=False) as w:
+            w.write([(_BODY_OFF + 8, "<qqqqqq", (used, prealloc, capacity, total, os.getpid(), time.time_ns())),
+                     (_BODY_OFF + 64, "<16s48s", (layout.encode()[:16], device.encode()[:48]))])
+
+    def apply_limit(self, limit: int) -> None:
+        """Split ``limit`` bytes over this process's pools by their capacity; NO_LIMIT lifts the cap."""
+        managers = [m for m in list(self.managers) if m._allocator is not None]
+        capacity = sum(m.num_pages * m.page_group_bytes for m in managers)
+        for m in managers:
+            if limit < 0:
+                m._set_limit("ipc", None)
+                continue
+            share = limit * (m.num_pages * m.page_group_bytes) // max(capacity, 1)
+            pages = share // m.page_group_bytes
+            # the allocator unmaps its reserve above the cap now, and in-use pages as they are freed
+            m._set_limit("ipc", pages)
+        self._applied = limit
+
+    def tick(self) -> None:
+        with self._lock:
+            info = read_segment(self.name)
+            if info.limit != self._applied:
+                self.apply_limit(info.limit)
+            self.publish()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except FileNotFoundError:
+                logger.warning("segment %s was deleted; recreating it", self.path)
+                try:
+                    with _Writer(self.path, create=True) as w:
+                        w.mm[:_BODY_OFF] = _HEADER.pack(MAGIC, VERSION, 0)
+                        w.write([(_BODY_OFF, "<q", (NO_LIMIT,))])
+                except OSError:
+                    pass
+            except Exception as exc:  # the monitor must never take the engine down
+                logger.warning("kvcached memory monitor: %s", exc)
+            self._wake.wait(PERIOD)
+            self._wake.clear()
+
+    def poke(self) -> None:
+        """Run a tick soon (after a register, or from tests)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        try:
+            info = read_segment(self.name)
+            if info.pid == os.getpid():
+                delete_segment(self.name)
+        except (FileNotFoundError, ValueError):
+            pass
+
+
+_publisher: Publisher | None = None
+_plock = threading.Lock()
+
+
+def publisher() -> Publisher | None:
+    return _publisher
+
+
+def register(manager: Any) -> None:
+    global _publisher
+    with _plock:
+        if _publisher is None:
+            _publisher = Publisher(get_default_ipc_name())
+        _publisher.managers.add(manager)
+        _publisher._applied = None  # re-apply the limit to include the new pool
+        _publisher.poke()
+
+
+def unregister(manager: Any) -> None:
+    with _plock:
+        if _publisher is not None:
+            _publisher.managers.discard(manager)
+            _publisher.poke()
+
+
+def stop_publisher() -> None:
+    global _publisher
+    with _plock:
+        if _publisher is not None:
+            _publisher.stop()
+            _publisher = None
+
+
+atexit.register(stop_publisher)

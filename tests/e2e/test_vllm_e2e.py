@@ -1,0 +1,130 @@
+"""kvcached inside a real vLLM engine (CPU build, host backend): same tokens, elastic memory.
+
+Each test starts engines in subprocesses (``engine_runner.py``); an engine start
+costs about 20 s on the 2-core CI machine, so the baselines are shared per session.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import engine_env, finish_engine, run_engine, start_engine  # noqa: E402
+from tiny_model import BURST_PROMPTS, PROMPTS  # noqa: E402
+
+MiB = 1 << 20
+# Every request needs 2 blocks of 128 tokens (prompt + 124 > 128); 48 of them need
+# 96 blocks = 3 pages of 32 blocks: the mapped memory must rise by 3 page groups.
+BURST = {"prompts": BURST_PROMPTS, "max_tokens": 124, "max_num_seqs": 48}
+PAGE_GROUP = 2 * 2 * MiB  # 2 layers x one 2 MiB page (kvcached keeps K and V inside vLLM's page)
+SHORT = {"prompts": PROMPTS, "max_tokens": 12, "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="session")
+def baseline_burst(tiny_model: str) -> dict:
+    return run_engine({"model": tiny_model, **BURST}, engine_env())
+
+
+@pytest.fixture(scope="session")
+def baseline_short_bf16(tiny_model: str) -> dict:
+    return run_engine({"model": tiny_model, **SHORT}, engine_env())
+
+
+def _kvcached_env(name: str, **extra: str) -> dict[str, str]:
+    return engine_env(ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name, KVCACHED_MAX_CACHED_TOKENS="0", **extra)
+
+
+def _check_elastic(result: dict) -> None:
+    used = [u for _, u in result["samples"]]
+    idle = result["idle_before"]
+    assert idle is not None and used, "the engine published no /dev/shm segment"
+    assert result["pool"] == "KVCachedBlockPool"
+    # the burst maps pages for every live block ...
+    assert max(used) >= idle + 3 * PAGE_GROUP, f"mapped memory never rose under the burst: {sorted(set(used))}"
+    # ... and gives them back once the requests are done (cached blocks bounded by KVCACHED_MAX_CACHED_TOKENS=0)
+    assert result["after"] == idle, f"mapped memory did not fall back: idle {idle}, after {result['after']}"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "per_layer"])
+def test_burst_matches_vllm_and_memory_follows_load(tiny_model: str, baseline_burst: dict, layout: str) -> None:
+    contiguous = "true" if layout == "contiguous" else "false"
+    name = f"kvcached_e2e_{layout}"
+    result = run_engine({"model": tiny_model, **BURST, "ipc_name": name, "settle_s": 1.0},
+                        _kvcached_env(name, KVCACHED_CONTIGUOUS_LAYOUT=contiguous))
+    assert baseline_burst["pool"] == "BlockPool" and baseline_burst["idle_before"] is None
+    assert result["tokens"] == baseline_burst["tokens"]
+    assert all(len(t) == BURST["max_tokens"] for t in result["tokens"])
+    _check_elastic(result)
+
+
+def test_kvcached_triton_backend_matches_vllm(tiny_model: str, baseline_short_bf16: dict) -> None:
+    name = "kvcached_e2e_triton"
+    result = run_engine({"model": tiny_model, **SHORT, "attention_backend": "KVCACHED", "ipc_name": name},
+                        _kvcached_env(name, KVCACHED_CONTIGUOUS_LAYOUT="true"))
+    assert baseline_short_bf16["backend"] == "CPU_ATTN"
+    assert result["backend"] == "KVCACHED"
+    assert result["tokens"] == baseline_short_bf16["tokens"]
+
+
+def test_kvctl_limit_below_demand_makes_requests_wait(tiny_model: str, baseline_burst: dict) -> None:
+    name = "kvcached_e2e_limit"
+    limit = 2 * PAGE_GROUP  # the null block's page plus one more: a third of what the burst wants
+    result = run_engine({"model": tiny_model, **BURST, "ipc_name": name, "limit_bytes": limit, "settle_s": 0.5},
+                        _kvcached_env(name))
+    used = [u for _, u in result["samples"]]
+    assert used and max(used) <= limit, f"mapped {max(used)} B over the {limit} B limit"
+    assert all(len(t) == BURST["max_tokens"] for t in result["tokens"]), "a request did not complete"
+    assert result["tokens"] == baseline_burst["tokens"]
+
+
+def test_plugin_refuses_unsupported_vllm_version(tiny_model: str) -> None:
+    """A vLLM whose internals we do not know must stop the engine, not run it without kvcached."""
+    from kvcached.errors import KVCachedConfigError
+    from kvcached.integration.vllm.version import SUPPORTED_RANGE, check_vllm_version
+
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.3+cpu")
+    for bad in ("0.31.2", "0.33.0", "1.0.0", "garbage"):
+        with pytest.raises(KVCachedConfigError, match="0.32") as info:
+            check_vllm_version(bad)
+        assert bad in str(info.value) and SUPPORTED_RANGE in str(info.value)
+
+
+def test_plugin_is_inert_without_enable_kvcached() -> None:
+    """The entry point is loaded in every vLLM process; without ENABLE_KVCACHED it must change nothing."""
+    import subprocess
+
+    code = ("import vllm.v1.core.kv_cache_coordinator as c, vllm.v1.worker.gpu_model_runner as g\n"
+            "from kvcached.integration.vllm.plugin import register\n"
+            "before = (c.BlockPool, g.allocate_kv_cache)\n"
+            "register()\n"
+            "assert (c.BlockPool, g.allocate_kv_cache) == before\n"
+            "print('inert')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=engine_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "inert" in out.stdout, out.stderr[-3000:]
+
+
+def test_two_engines_share_memory(tiny_model: str, baseline_burst: dict) -> None:
+    """Two engines, one host budget: while both run, memory one gives back is used by the other."""
+    budget = 4 * PAGE_GROUP
+    names = ["kvcached_e2e_two_a", "kvcached_e2e_two_b"]
+    procs = [start_engine({"model": tiny_model, **BURST, "ipc_name": n, "settle_s": 1.0, "repeat": 2},
+                          _kvcached_env(n, KVCACHED_HOST_MEM_LIMIT_MB=str(budget // MiB),
+                                        KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0"))
+             for n in names]
+    results = [finish_engine(p, timeout=600) for p in procs]
+    for r in results:
+        assert r["tokens"] == baseline_burst["tokens"]
+        assert all(tokens == baseline_burst["tokens"] for tokens in r["all_tokens"])
+    a, b = (r["samples"] for r in results)
+    # each engine alone went above half the budget ...
+    assert max(u for _, u in a) > budget // 2 and max(u for _, u in b) > budget // 2
+    # ... yet at no moment did the two hold more than the budget together
+    for t, used_a in a:
+        near = [u for tb, u in b if abs(tb - t) < 0.01]
+        if near:
+            assert used_a + min(near) <= budget, f"{used_a} + {min(near)} B mapped at once, budget {budget} B"

@@ -1,0 +1,136 @@
+"""Paged attention on a real GPU at realistic sizes: the full feature x layout x view x dtype matrix.
+
+Reference: float64 (``kvcached.kernels.reference``). Tolerance: relative error of the
+whole output, ``TOL[dtype]`` (on the GPU probabilities are rounded to the query dtype
+before P @ V, hence looser than the interpreter's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcached.kernels import attention_config as cfg
+from kvcached.kernels.paged_attention import paged_attention
+from kvcached.kernels.platform import fp8_kv_dtype
+from kvcached.kernels.reference import paged_attention_ref, paged_kv_case, random_batch, relative_error
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
+LAYOUTS = ("contiguous", "per_layer")
+STYLES = ("flash_attn", "flashinfer")
+# decode at 8k, a chunked prefill (1k new tokens on 7k of context), a whole 2k prompt, decode at 300
+MIXED_Q = [1, 1024, 2048, 1]
+MIXED_S = [8192, 8192, 2048, 300]
+
+
+def _features(name: str, num_heads: int) -> dict:
+    g = torch.Generator().manual_seed(3)
+    alibi = (torch.rand(num_heads, generator=g) * 0.05).cuda()
+    sinks = (torch.randn(num_heads, generator=g) * 2).cuda()
+    return {
+        "none": {},
+        "window": {"sliding_window": 1000},
+        "softcap": {"softcap": 30.0},
+        "alibi": {"alibi_slopes": alibi},
+        "sinks": {"sinks": sinks},
+        "noncausal": {"causal": False},
+        "all": {"sliding_window": 777, "softcap": 20.0, "alibi_slopes": alibi, "sinks": sinks},
+    }[name]
+
+
+def _run(*, layout="contiguous", style="flash_attn", dtype=torch.bfloat16, kv_dtype=None, num_heads=32,
+         num_kv_heads=8, head_size=128, block_size=16, q_lens=MIXED_Q, seq_lens=MIXED_S, splits=None, seed=0,
+         **features):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) + 1 for s in seq_lens) + 16
+    k, v, _, _ = paged_kv_case(layout=layout, style=style, num_kv_heads=num_kv_heads, head_size=head_size,
+                               block_size=block_size, dtype=kv_dtype or dtype, num_blocks=num_blocks, device="cuda")
+    query, bt, sl, qsl = random_batch(q_lens, seq_lens, num_heads, head_size, block_size, k.shape[0], dtype,
+                                      device="cuda", generator=gen)
+    out = torch.full_like(query, float("nan"))
+    knobs = {} if splits is None else {"decode_num_splits": splits}
+    with cfg.override(**knobs):
+        paged_attention(query, k, v, bt, sl, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens), out=out,
+                        **features)
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl, **features)
+    err = relative_error(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("feature", ["none", "window", "softcap", "alibi", "sinks", "noncausal", "all"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_features_layouts_views(dtype, feature, layout, style):
+    _run(layout=layout, style=style, dtype=dtype, **_features(feature, 32))
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_kv(dtype, layout, style):
+    _run(layout=layout, style=style, dtype=dtype, kv_dtype=fp8_kv_dtype(), k_scale=torch.tensor([0.05]).cuda(),
+         v_scale=0.07, seed=1)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
+def test_head_and_block_sizes(head_size, block_size):
+    _run(head_size=head_size, block_size=block_size, num_heads=16, num_kv_heads=4, q_lens=[1, 700, 1],
+         seq_lens=[3000, 1500, 17], seed=2, **_features("all", 16))
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 32), (32, 8), (64, 8), (16, 1), (40, 8)])
+def test_gqa_mqa(num_heads, num_kv_heads):
+    _run(num_heads=num_heads, num_kv_heads=num_kv_heads, q_lens=[1, 513, 1], seq_lens=[4096, 1000, 1], seed=4)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 64, None])
+@pytest.mark.parametrize("batch", [1, 8, 64, 256])
+def test_decode_batches(batch, splits):
+    g = torch.Generator().manual_seed(batch)
+    seq_lens = torch.randint(1, 8193, (batch,), generator=g).tolist()
+    seq_lens[0] = 8192
+    _run(q_lens=[1] * batch, seq_lens=seq_lens, splits=splits, seed=5, **_features("sinks", 32))
+
+
+def test_long_prefill_8k():
+    _run(q_lens=[8192], seq_lens=[8192], seed=6)
+
+
+def test_cuda_graph_capture():
+    gen = torch.Generator().manual_seed(7)
+    k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=8, head_size=128,
+                               block_size=16, dtype=torch.bfloat16, num_blocks=4096, device="cuda")
+    query, bt, sl, qsl = random_batch([1] * 16, [1000 + 37 * i for i in range(16)], 32, 128, 16, k.shape[0],
+                                      torch.bfloat16, device="cuda", generator=gen, extra_cols=48)
+    out = torch.full_like(query, float("nan"))
+    kw = {"max_query_len": 1, "max_seq_len": 2048, "out": out}
+    paged_attention(query, k, v, bt, sl, qsl, **kw)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(query, k, v, bt, sl, qsl, **kw)
+    out.fill_(float("nan"))
+    sl.add_(5)  # new lengths, read on the device at replay
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl)
+    assert relative_error(out, ref) < TOL[torch.bfloat16]
+
+
+def test_torch_compile_inductor():
+    gen = torch.Generator().manual_seed(8)
+    k, v, _, _ = paged_kv_case(layout="per_layer", style="flashinfer", num_kv_heads=8, head_size=128,
+                               block_size=16, dtype=torch.bfloat16, num_blocks=512, device="cuda")
+    query, bt, sl, qsl = random_batch([1, 300], [900, 300], 32, 128, 16, k.shape[0], torch.bfloat16,
+                                      device="cuda", generator=gen)
+
+    @torch.compile(fullgraph=True)
+    def fn(q):
+        return paged_attention(q * 1.0, k, v, bt, sl, qsl, max_query_len=300, max_seq_len=900) * 1.0
+
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl)
+    assert relative_error(fn(query), ref) < TOL[torch.bfloat16]

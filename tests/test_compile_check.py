@@ -1,0 +1,83 @@
+"""The ahead-of-time compile check, run in its own process (never inside the interpreter)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BROKEN = textwrap.dedent(
+    """
+    import triton
+    import triton.language as tl
+
+    from kvcached.kernels.platform import CompileVariant
+
+
+    @triton.jit
+    def fine_kernel(x_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(x_ptr + i, tl.load(x_ptr + i) * 2)
+
+
+    @triton.jit
+    def broken_kernel(x_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(x_ptr + i, tl.load(x_ptr + i) + not_defined_anywhere)
+
+
+    def compile_variants(target):
+        sig = {"x_ptr": "*fp32", "N": "constexpr"}
+        return [CompileVariant("fine", fine_kernel, sig, {"N": 64}),
+                CompileVariant("broken", broken_kernel, sig, {"N": 64})]
+    """
+)
+
+
+def _run(args, tmp_path=None, interpret=False):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    paths = [str(ROOT)] + ([str(tmp_path)] if tmp_path else []) + [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return subprocess.run([sys.executable, "-m", "kvcached.kernels.compile_check", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_write_kv_compiles_for_amd_and_nvidia():
+    r = _run(["--targets", "gfx942,sm90", "--only", "write_kv[bf16->bf16,h8x128],write_kv[bf16->fp8"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("OK")]
+    # bf16 and the target's fp8 (e4m3fnuz on gfx942, e4m3fn on sm90)
+    assert any("gfx942" in ln and "fp8e4b8" in ln for ln in lines), r.stdout
+    assert any("sm90" in ln and "fp8e4nv" in ln for ln in lines), r.stdout
+    assert any("gfx942" in ln and "vgprs=" in ln for ln in lines), r.stdout
+    assert "0 failed" in r.stdout
+
+
+def test_broken_variant_fails_loudly(tmp_path):
+    (tmp_path / "kvc_broken_kernels.py").write_text(BROKEN)
+    r = _run(["--targets", "sm90,gfx942", "--only", "kvc_broken_kernels", "--modules", "kvc_broken_kernels"],
+             tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout
+    assert out.count("OK    ") == 2 and out.count("FAIL  ") == 2, out
+    assert "not_defined_anywhere" in out
+    assert "2 failed" in out
+
+
+def test_module_without_compile_variants_fails(tmp_path):
+    (tmp_path / "kvc_no_variants.py").write_text("X = 1\n")
+    r = _run(["--targets", "sm90", "--only", "kvc_no_variants", "--modules", "kvc_no_variants"], tmp_path)
+    assert r.returncode == 1
+    assert "has no compile_variants" in r.stdout
+
+
+def test_refuses_to_run_in_the_interpreter():
+    r = _run(["--targets", "sm90", "--only", "write_kv"], interpret=True)
+    assert r.returncode == 2
+    assert "TRITON_INTERPRET" in r.stderr

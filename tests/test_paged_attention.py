@@ -1,0 +1,202 @@
+"""Paged attention against a float64 reference, on both layouts and both view shapes.
+
+On a machine without a GPU this runs in Triton's interpreter at small sizes.
+Tolerance: relative error of the whole output (||out - ref|| / ||ref||) below
+``TOL[dtype]``; a wrong mask, a wrong stride or one unwritten (NaN-poisoned)
+element all give errors far above it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcached.kernels import attention_config as cfg
+from kvcached.kernels.paged_attention import paged_attention
+from kvcached.kernels.platform import fp8_kv_dtype
+from kvcached.kernels.reference import paged_attention_ref, paged_kv_case, random_batch, relative_error
+
+# fp16 output rounding alone is ~3e-4 relative; bf16 ~3e-3. On the GPU p is rounded too.
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+LAYOUTS = ("contiguous", "per_layer")
+STYLES = ("flash_attn", "flashinfer")
+NUM_BLOCKS = 64
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter handles both fp8 flavours; a GPU only its vendor's
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz) if DEVICE == "cpu" else (fp8_kv_dtype(),)
+
+# decode, chunked prefill (context before the new tokens), whole prefill, decode
+MIXED_Q = [1, 19, 40, 1]
+MIXED_S = [45, 60, 40, 17]
+
+
+def run_case(
+    *,
+    layout="contiguous",
+    style="flash_attn",
+    dtype=torch.float16,
+    kv_dtype=None,
+    num_heads=4,
+    num_kv_heads=2,
+    head_size=32,
+    block_size=16,
+    q_lens=MIXED_Q,
+    seq_lens=MIXED_S,
+    splits=3,
+    seed=0,
+    tol=None,
+    **features,
+):
+    gen = torch.Generator().manual_seed(seed)
+    k, v, _, _ = paged_kv_case(
+        layout=layout, style=style, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+        dtype=kv_dtype or dtype, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE,
+    )  # fmt: skip
+    query, bt, sl, qsl = random_batch(q_lens, seq_lens, num_heads, head_size, block_size, k.shape[0], dtype,
+                                      generator=gen, device=DEVICE)
+    features = {n: f.to(DEVICE) if isinstance(f, torch.Tensor) else f for n, f in features.items()}
+    out = torch.full_like(query, float("nan"))
+    with cfg.override(decode_num_splits=splits):
+        got = paged_attention(query, k, v, bt, sl, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                              out=out, **features)
+    assert got is out
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl, **features)
+    err = relative_error(out, ref)
+    assert err < (tol or TOL[dtype]), f"relative error {err:.3e}"
+    return out, ref
+
+
+def _features(name: str, num_heads: int = 4) -> dict:
+    g = torch.Generator().manual_seed(7)
+    alibi = torch.rand(num_heads, generator=g) * 0.5
+    sinks = torch.randn(num_heads, generator=g) * 2
+    return {
+        "none": {},
+        "window": {"sliding_window": 13},
+        "softcap": {"softcap": 2.0, "scale": 0.5},
+        "alibi": {"alibi_slopes": alibi},
+        "sinks": {"sinks": sinks},
+        "noncausal": {"causal": False},
+        "all": {"sliding_window": 21, "softcap": 3.0, "alibi_slopes": alibi, "sinks": sinks, "scale": 0.3},
+    }[name]
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("feature", ["none", "window", "softcap", "alibi", "sinks", "noncausal", "all"])
+def test_features_mixed_batch(feature, layout, style):
+    run_case(layout=layout, style=style, **_features(feature))
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dtypes(dtype, layout, style):
+    run_case(layout=layout, style=style, dtype=dtype, seed=1)
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_kv(dtype, fp8, layout, style):
+    # tensor scale for K, float for V; the reference dequantises the same fp8 values exactly
+    run_case(layout=layout, style=style, dtype=dtype, kv_dtype=fp8, k_scale=torch.tensor([0.37]), v_scale=1.9,
+             seed=2)
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
+def test_head_sizes(head_size):
+    run_case(head_size=head_size, num_heads=2, num_kv_heads=1, q_lens=[1, 20], seq_lens=[33, 20], seed=3)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+def test_block_sizes(block_size):
+    run_case(block_size=block_size, layout="per_layer", q_lens=[1, 9, 1], seq_lens=[150, 40, 129], seed=4)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1), (6, 3)])
+def test_gqa_mqa(num_heads, num_kv_heads):
+    run_case(num_heads=num_heads, num_kv_heads=num_kv_heads, seed=5, **_features("all", num_heads))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 16])
+@pytest.mark.parametrize("feature", ["none", "sinks", "window"])
+def test_decode_splits(splits, feature):
+    # 16 splits of >= 32 keys leave some splits of the short sequences empty
+    run_case(q_lens=[1, 1, 1], seq_lens=[200, 3, 64], splits=splits, seed=6, **_features(feature))
+
+
+def test_auto_splits_decode_and_empty_sequence():
+    # a zero-length query (padding) must leave its rows alone and not disturb the others
+    gen = torch.Generator().manual_seed(8)
+    k, v, _, _ = paged_kv_case(layout="contiguous", style="flashinfer", num_kv_heads=2, head_size=32, block_size=16,
+                               dtype=torch.bfloat16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
+    query, bt, sl, qsl = random_batch([1, 0, 1], [300, 5, 77], 4, 32, 16, k.shape[0], torch.bfloat16,
+                                      generator=gen, device=DEVICE)
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, k, v, bt, sl, qsl, max_query_len=1, max_seq_len=300, out=out)
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl)
+    assert relative_error(out, ref) < TOL[torch.bfloat16]
+
+
+def test_strided_out_and_query():
+    gen = torch.Generator().manual_seed(9)
+    k, v, _, _ = paged_kv_case(layout="per_layer", style="flash_attn", num_kv_heads=2, head_size=64, block_size=32,
+                               dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
+    query, bt, sl, qsl = random_batch([1, 30], [50, 30], 4, 64, 32, k.shape[0], torch.float16,
+                                      generator=gen, device=DEVICE)
+    wide_q = torch.randn(query.shape[0], 6, 64, generator=gen).to(DEVICE, torch.float16)
+    wide_q[:, 1:5] = query
+    q_view = wide_q[:, 1:5]  # token stride 6*64: not contiguous
+    wide_out = torch.full((query.shape[0], 9, 64), float("nan"), dtype=torch.float16, device=DEVICE)
+    out = wide_out[:, 2:6]
+    got = paged_attention(q_view, k, v, bt, sl, qsl, max_query_len=30, max_seq_len=50, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl)
+    assert relative_error(out, ref) < TOL[torch.float16]
+    assert torch.isnan(wide_out[:, :2]).all() and torch.isnan(wide_out[:, 6:]).all()
+
+
+def test_default_out_allocated():
+    gen = torch.Generator().manual_seed(10)
+    k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=1, head_size=32, block_size=16,
+                               dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
+    query, bt, sl, qsl = random_batch([3, 1], [20, 9], 2, 32, 16, k.shape[0], torch.float16,
+                                      generator=gen, device=DEVICE)
+    out = paged_attention(query, k, v, bt, sl, qsl, max_query_len=3, max_seq_len=20)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    assert relative_error(out, paged_attention_ref(query, k, v, bt, sl, qsl)) < TOL[torch.float16]
+
+
+def test_dense_stride_assumption_is_caught():
+    """Reading the contiguous layout as if it were dense (the ROCm vendor path) is wrong; ours is right."""
+    gen = torch.Generator().manual_seed(11)
+    k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=2, head_size=32, block_size=16,
+                               dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
+    assert not k.is_contiguous()
+    query, bt, sl, qsl = random_batch([1, 12], [40, 30], 4, 32, 16, k.shape[0], torch.float16,
+                                      generator=gen, device=DEVICE)
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl)
+    dense = {"size": k.shape, "stride": torch.empty(k.shape).stride()}
+    k_dense = torch.as_strided(k, dense["size"], dense["stride"], k.storage_offset())
+    v_dense = torch.as_strided(v, dense["size"], dense["stride"], v.storage_offset())
+    wrong = paged_attention(query, k_dense, v_dense, bt, sl, qsl, max_query_len=12, max_seq_len=40)
+    right = paged_attention(query, k, v, bt, sl, qsl, max_query_len=12, max_seq_len=40)
+    assert relative_error(right, ref) < TOL[torch.float16]
+    assert relative_error(wrong, ref) > 0.1
+
+
+def test_torch_compile_traces_the_op():
+    gen = torch.Generator().manual_seed(12)
+    k, v, _, _ = paged_kv_case(layout="per_layer", style="flashinfer", num_kv_heads=2, head_size=32, block_size=16,
+                               dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
+    query, bt, sl, qsl = random_batch([1, 5], [21, 5], 4, 32, 16, k.shape[0], torch.float16,
+                                      generator=gen, device=DEVICE)
+
+    def fn(q):
+        return paged_attention(q * 1.0, k, v, bt, sl, qsl, max_query_len=5, max_seq_len=21) + 0.0
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    out = compiled(query)
+    assert relative_error(out, paged_attention_ref(query, k, v, bt, sl, qsl)) < TOL[torch.float16]

@@ -1,0 +1,179 @@
+"""Bad inputs to paged_attention raise ValueError saying what is wrong; the op list is sane."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcached.kernels.paged_attention import compile_variants, paged_attention
+from kvcached.kernels.reference import paged_kv_case, random_batch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(head_size=32, block_size=16, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(0)
+    k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=2, head_size=head_size,
+                               block_size=block_size, dtype=dtype, num_blocks=64, generator=gen, device=DEVICE)
+    q, bt, sl, qsl = random_batch([1, 4], [20, 4], 4, head_size, block_size, k.shape[0], dtype, generator=gen,
+                                  device=DEVICE)
+    args = [q, k, v, bt, sl, qsl]
+    kwargs = {"max_query_len": 4, "max_seq_len": 20}
+    return args, kwargs
+
+
+def _mutate(name):
+    args, kw = _case()
+    q, k, v, bt, sl, qsl = args
+    if name == "query_2d":
+        args[0] = q[:, 0]
+    elif name == "query_fp32":
+        args[0] = q.float()
+    elif name == "query_strided_d":
+        args[0] = q.transpose(1, 2).contiguous().transpose(1, 2)
+    elif name == "head_mismatch":
+        args[0] = torch.randn(q.shape[0], 4, 64, dtype=q.dtype, device=DEVICE)
+    elif name == "kv_shape_mismatch":
+        args[2] = v[:-1]
+    elif name == "kv_dtype_mismatch":
+        args[2] = v.to(torch.bfloat16)
+    elif name == "kv_dtype_other":
+        args[1], args[2] = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    elif name == "kv_3d":
+        args[1] = k[:, :, 0]
+    elif name == "heads_not_multiple":
+        args[0] = torch.randn(q.shape[0], 3, 32, dtype=q.dtype, device=DEVICE)
+    elif name == "block_table_int64":
+        args[3] = bt.long()
+    elif name == "block_table_1d":
+        args[3] = bt[0]
+    elif name == "seq_lens_int64":
+        args[4] = sl.long()
+    elif name == "seq_lens_len":
+        args[4] = sl[:1]
+    elif name == "qsl_len":
+        args[5] = qsl[:-1]
+    elif name == "max_query_len_zero":
+        kw["max_query_len"] = 0
+    elif name == "max_seq_len_float":
+        kw["max_seq_len"] = 20.0
+    elif name == "query_longer_than_seq":
+        kw["max_query_len"] = 30
+    elif name == "table_too_narrow":
+        kw["max_seq_len"] = bt.shape[1] * 16 + 1
+    elif name == "window_zero":
+        kw["sliding_window"] = 0
+    elif name == "window_noncausal":
+        kw.update(sliding_window=4, causal=False)
+    elif name == "softcap_negative":
+        kw["softcap"] = -1.0
+    elif name == "alibi_wrong_len":
+        kw["alibi_slopes"] = torch.rand(3, device=DEVICE)
+    elif name == "alibi_fp16":
+        kw["alibi_slopes"] = torch.rand(4, device=DEVICE).half()
+    elif name == "sinks_wrong_len":
+        kw["sinks"] = torch.rand(5, device=DEVICE)
+    elif name == "out_wrong_dtype":
+        kw["out"] = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    elif name == "out_wrong_shape":
+        kw["out"] = torch.empty(q.shape[0], 4, 16, dtype=q.dtype, device=DEVICE)
+    elif name == "k_scale_vector":
+        kw["k_scale"] = torch.ones(2, device=DEVICE)
+    elif name == "v_scale_negative":
+        kw["v_scale"] = -2.0
+    elif name == "scale_nan":
+        kw["scale"] = float("nan")
+    return args, kw
+
+
+BAD = {
+    "query_2d": "query must be",
+    "query_fp32": "query dtype",
+    "query_strided_d": "stride 1",
+    "head_mismatch": "head size",
+    "kv_shape_mismatch": "differ in shape",
+    "kv_dtype_mismatch": "differ in dtype",
+    "kv_dtype_other": "must equal the query",
+    "kv_3d": "k_cache must be",
+    "heads_not_multiple": "not a multiple",
+    "block_table_int64": "block_table must be",
+    "block_table_1d": "block_table must be",
+    "seq_lens_int64": "seq_lens must be",
+    "seq_lens_len": "seq_lens must be",
+    "qsl_len": "query_start_loc must be",
+    "max_query_len_zero": "max_query_len must be",
+    "max_seq_len_float": "max_seq_len must be",
+    "query_longer_than_seq": "exceeds max_seq_len",
+    "table_too_narrow": "columns",
+    "window_zero": "sliding_window must be",
+    "window_noncausal": "causal=True",
+    "softcap_negative": "softcap must be",
+    "alibi_wrong_len": "alibi_slopes must be",
+    "alibi_fp16": "alibi_slopes must be",
+    "sinks_wrong_len": "sinks must be",
+    "out_wrong_dtype": "out must match",
+    "out_wrong_shape": "out must match",
+    "k_scale_vector": "k_scale must be",
+    "v_scale_negative": "v_scale must be",
+    "scale_nan": "scale must be",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_raises(name):
+    args, kw = _mutate(name)
+    with pytest.raises(ValueError, match=BAD[name]):
+        paged_attention(*args, **kw)
+
+
+@pytest.mark.parametrize("head_size", [16, 48, 112, 192, 512])
+def test_unsupported_head_size(head_size):
+    q = torch.randn(2, 4, head_size, dtype=torch.float16, device=DEVICE)
+    kv = torch.randn(4, 16, 2, head_size, dtype=torch.float16, device=DEVICE)
+    bt = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="head size"):
+        paged_attention(q, kv, kv, bt, sl, qsl, max_query_len=2, max_seq_len=2)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 24, 256])
+def test_unsupported_block_size(block_size):
+    q = torch.randn(2, 4, 32, dtype=torch.float16, device=DEVICE)
+    kv = torch.randn(4, block_size, 2, 32, dtype=torch.float16, device=DEVICE)
+    bt = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="block size"):
+        paged_attention(q, kv, kv, bt, sl, qsl, max_query_len=2, max_seq_len=2)
+
+
+def test_unknown_knob_raises():
+    from kvcached.kernels import attention_config as cfg
+
+    with pytest.raises(ValueError, match="unknown attention knob"), cfg.override(decode_splits=2):
+        pass
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm90", "gfx942", "gfx90a", "gfx950"])
+def test_compile_variants_per_target(target):
+    variants = compile_variants(target)
+    names = [v.name for v in variants]
+    assert len(names) == len(set(names))
+    ptr_types = {t for v in variants for t in v.signature.values()}
+    assert ("*fp8e4nv" in ptr_types) == (target in ("sm90", "gfx950"))
+    assert ("*fp8e4b8" in ptr_types) == (target == "gfx942")
+    kernels = {v.fn.__name__ for v in variants}
+    assert kernels == {"decode_kernel", "reduce_kernel", "prefill_kernel"}
+    for v in variants:
+        assert v.constexprs.get("INTERP", False) is False
+        assert not set(v.signature) & set(v.constexprs)
+        assert set(v.signature) | set(v.constexprs) == set(v.fn.arg_names)
+    assert {v.constexprs["HEAD_SIZE"] for v in variants} == {32, 64, 80, 96, 128, 256}
+    assert {v.constexprs["BLOCK_SIZE"] for v in variants if "BLOCK_SIZE" in v.constexprs} == {16, 32, 64, 128}
+    assert {v.constexprs.get("SPLIT") for v in variants} >= {True, False}
+
+
+def test_compile_variants_unknown_target():
+    with pytest.raises(ValueError, match="unknown compile target"):
+        compile_variants("sm7x")
