@@ -15,7 +15,8 @@ ext = Pybind11Extension(
     sorted(glob("csrc/*.cpp")),
     include_dirs=["csrc"],
     cxx_std=17,
-    extra_compile_args=["-O2", "-fvisibility=hidden"],
+    # -g0: Python's CFLAGS add -g, which costs ~15 % of the build and is not needed here
+    extra_compile_args=["-O2", "-g0", "-fvisibility=hidden"],
     libraries=["dl"],
 )
 

@@ -222,6 +222,8 @@ def main() -> None:
         f"- backend granularity {backend.granularity} B, one physical allocation per page group: "
         f"{backend.map_offset_ok}",
         f"- command: `{cmd}`",
+        f"- load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} (other work on the machine "
+        "inflates every number)",
         "",
         f"## Driver calls (2 MiB pages, {args.driver_pages} calls each, timed in C++)",
         "",

@@ -119,7 +119,16 @@ class HostBackend final : public Backend {
     }
     void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_,
                    static_cast<off_t>(it->first + offset));
-    if (p == MAP_FAILED) throw_errno("mmap(map)", errno);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      if (err == ENOMEM) {
+        throw Error(ErrKind::OutOfMemory, "mmap(map) failed: " + errno_text(err) +
+                                              ": the process may have reached vm.max_map_count (each mapped unit is "
+                                              "one mapping); use the contiguous layout, larger pages, or raise "
+                                              "/proc/sys/vm/max_map_count");
+      }
+      throw_errno("mmap(map)", err);
+    }
     mapped_[ptr] = size;
   }
 

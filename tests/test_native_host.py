@@ -292,6 +292,59 @@ def test_bad_regions():
         vmm.PageAllocator(b, [vt], [(0, 0, U)], 0, 0, 0, False)
 
 
+@pytest.mark.parametrize("layout", [Layout.CONTIGUOUS, Layout.PER_LAYER])
+def test_page_allocator_random_against_model(layout):
+    # Random alloc/free/trim/limit steps; after each: counters match a model, mapped pages
+    # stay within the limit and max_reserved, and every in-use page keeps its data.
+    geom = _geometry(layout, num_layers=2, num_blocks=512 * 10)
+    b = host(1024)
+    vts = [vmm.VirtualTensor(b, geom.tensor_bytes, geom.unit_bytes) for _ in range(geom.num_tensors)]
+    pa = vmm.PageAllocator(b, vts, geom.regions(), geom.num_pages, 0, 2, False)
+    bases = [view(v) for v in vts]
+    bpp = geom.blocks_per_page
+    rng = random.Random(7)
+    in_use: dict[int, int] = {}
+    limit = geom.num_pages
+
+    def mark_offsets(page):
+        return [geom.block_byte_offset(layer, kv, page * bpp) for layer in range(2) for kv in range(2)]
+
+    for step in range(400):
+        op = rng.random()
+        if op < 0.45:
+            n = rng.randint(1, 3)
+            if len(in_use) + n > limit:
+                with pytest.raises(vmm.OutOfMemoryError):
+                    pa.alloc_pages(n)
+            else:
+                got = pa.alloc_pages(n)
+                assert len(got) == n and not set(got) & set(in_use)
+                for p in got:
+                    in_use[p] = (step * 7 + p) % 250 + 1
+                    for t, off in mark_offsets(p):
+                        bases[t][off] = in_use[p]
+        elif op < 0.8 and in_use:
+            ids = rng.sample(sorted(in_use), rng.randint(1, len(in_use)))
+            pa.free_pages(ids)
+            for p in ids:
+                del in_use[p]
+        elif op < 0.9:
+            pa.trim()
+            assert pa.num_reserved == 0
+        else:
+            limit = rng.randint(0, geom.num_pages)
+            assert pa.set_limit_pages(limit) == (len(in_use) <= limit)
+        assert pa.num_in_use == len(in_use)
+        assert pa.num_reserved <= 2
+        assert pa.num_in_use + pa.num_reserved <= max(limit, len(in_use))
+        assert pa.mapped_bytes == (pa.num_in_use + pa.num_reserved) * geom.page_group_bytes
+        assert b.physical_bytes() == pa.mapped_bytes + geom.unit_bytes  # + the zero page
+        for p, val in in_use.items():
+            for t, off in mark_offsets(p):
+                assert int(bases[t][off]) == val
+    pa.close()
+
+
 def test_trim_and_reserved_bounds_without_thread():
     b = host()
     vt, pa = contiguous(b, num_pages=8, max_reserved=2)

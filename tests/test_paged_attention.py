@@ -197,6 +197,7 @@ def test_torch_compile_traces_the_op():
     def fn(q):
         return paged_attention(q * 1.0, k, v, bt, sl, qsl, max_query_len=5, max_seq_len=21) + 0.0
 
+    assert hasattr(torch.ops.kvcached, "paged_attention")
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     out = compiled(query)
     assert relative_error(out, paged_attention_ref(query, k, v, bt, sl, qsl)) < TOL[torch.float16]

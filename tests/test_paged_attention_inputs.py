@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcached.kernels import attention_config as cfg
 from kvcached.kernels.paged_attention import compile_variants, paged_attention
 from kvcached.kernels.reference import paged_kv_case, random_batch
 
@@ -149,8 +150,6 @@ def test_unsupported_block_size(block_size):
 
 
 def test_unknown_knob_raises():
-    from kvcached.kernels import attention_config as cfg
-
     with pytest.raises(ValueError, match="unknown attention knob"), cfg.override(decode_splits=2):
         pass
 
@@ -177,3 +176,16 @@ def test_compile_variants_per_target(target):
 def test_compile_variants_unknown_target():
     with pytest.raises(ValueError, match="unknown compile target"):
         compile_variants("sm7x")
+
+
+def test_split_heuristic_fills_the_gpu():
+    from kvcached.kernels.attention_config import _pick_splits
+
+    # H200-like: 132 SMs, 8 KV heads, 8k context, 64-key tiles
+    assert _pick_splits(1 * 8, 8192, 64, 132, hip=False) >= 32
+    assert 2 <= _pick_splits(8 * 8, 8192, 64, 132, hip=False) <= 16
+    assert _pick_splits(256 * 8, 8192, 64, 132, hip=False) == 1
+    assert _pick_splits(1 * 8, 100, 64, 132, hip=False) == 1  # too short to be worth a reduce
+    assert _pick_splits(1 * 8, 8192, 64, 304, hip=True) > 1  # MI300X
+    with cfg.override(decode_num_splits=5):
+        assert cfg.decode_config(3, 2, 32, 16, 2, 100, 0).num_splits == 5

@@ -77,8 +77,10 @@ def num_compute_units(device_index: int) -> int:
 
 
 def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip: bool) -> int:
-    min_keys = _OVERRIDES.get("min_keys_per_split", 256)
-    per_unit = _OVERRIDES.get("programs_per_sm", 2 if hip else 2)
+    # sm90 decode (d128, 64 keys x 3 stages) fits 4 programs per SM (118 regs, 39 KB smem);
+    # gfx942 2 per CU (174 vgprs). Fewer than ~128 keys per split is all reduce overhead.
+    min_keys = _OVERRIDES.get("min_keys_per_split", 128)
+    per_unit = _OVERRIDES.get("programs_per_sm", 2 if hip else 4)
     want = triton.cdiv(units * per_unit, max(programs, 1))
     by_len = triton.cdiv(max_seq_len, max(min_keys, block_n))
     return max(1, min(want, by_len, 128))
@@ -128,12 +130,12 @@ def _prefill_base(head_pad: int, kv_itemsize: int, hip: bool) -> PrefillConfig:
             return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=1, waves_per_eu=2)
         if head_pad <= 128:  # block_n 64 spills on gfx942 (compile check: 256 vgprs + scratch)
             return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=1, waves_per_eu=2)
-        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=1, waves_per_eu=2)
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=1, waves_per_eu=2)
     if head_pad <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if head_pad <= 128:
         return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)  # block_n 64 spills (sm80/sm90)
 
 
 def prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int) -> PrefillConfig:

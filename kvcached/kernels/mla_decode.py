@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, interpreting, is_hip
+from kvcached.kernels.write_kv import unit_scale
 
 _LOG2E = 1.4426950408889634
 _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv",
@@ -286,7 +287,7 @@ def paged_mla_decode(
     else:
         if kv_scale is not None:
             raise ValueError(f"kv_scale applies to fp8 caches only; this cache is {kv_cache.dtype}.")
-        ks = torch.ones(1, dtype=torch.float32, device=query.device)
+        ks = unit_scale(query.device)
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * kv_cache.shape[1]
     if num_splits is None:
@@ -301,7 +302,7 @@ def paged_mla_decode(
 
 def compile_variants(target: str) -> list[CompileVariant]:
     """Every specialisation the dispatcher can pick on ``target`` (``sm90``, ``gfx942``...)."""
-    from kvcached.kernels.write_kv import _target_fp8
+    from kvcached.kernels.write_kv import _target_fp8  # one rule for both modules
 
     hip = target.startswith("gfx")
     fp8 = _target_fp8(target)

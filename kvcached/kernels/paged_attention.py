@@ -29,7 +29,11 @@ Scale = torch.Tensor | float | None
 def _fp8_kv_dtypes(device: torch.device) -> tuple:
     if device.type == "cpu":  # the interpreter handles both
         return (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-    return (torch.float8_e4m3fnuz, torch.float8_e4m3fn) if is_hip() else (torch.float8_e4m3fn,)
+    if is_hip():
+        return (torch.float8_e4m3fnuz, torch.float8_e4m3fn)
+    if torch.cuda.get_device_capability(device) < (8, 9):  # no fp8 conversions before Ada/Hopper
+        return ()
+    return (torch.float8_e4m3fn,)
 
 
 def _fail(msg: str) -> None:
@@ -117,14 +121,17 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         _fail(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}.")
     if k_cache.dtype != query.dtype and k_cache.dtype not in _fp8_kv_dtypes(dev):
-        names = ", ".join(str(d) for d in _fp8_kv_dtypes(dev))
-        _fail(f"KV cache dtype {k_cache.dtype} must equal the query's ({query.dtype}) or be fp8 ({names}).")
+        names = ", ".join(str(d) for d in _fp8_kv_dtypes(dev)) or "none on this GPU"
+        _fail(f"KV cache dtype {k_cache.dtype} must equal the query's ({query.dtype}) or be this GPU's fp8 "
+              f"({names}).")
     if query.stride(2) != 1:
         _fail("query's head_size dimension must have stride 1; call .contiguous() on it.")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
         _fail(f"block_table must be a 2-D int32 tensor with unit column stride, got {block_table.dtype} "
               f"{tuple(block_table.shape)}.")
     num_seqs = block_table.shape[0]
+    if num_seqs > 65535:  # the prefill grid's third dimension
+        _fail(f"{num_seqs} sequences in one call; at most 65535 are supported, split the batch.")
     if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] != num_seqs:
         _fail(f"seq_lens must be int32 [num_seqs={num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}.")
     if (query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1

@@ -90,6 +90,17 @@ def launch_config(num_heads: int, head_size: int, is_hip: bool | None = None) ->
     return {"BLOCK_T": block_t, "BLOCK_H": bh, "BLOCK_D": bd, "num_warps": num_warps}
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A cached fp32 ``[1.0]`` on ``device``: the (unused) scale of non-fp8 caches, no launch per call."""
+    t = _UNIT_SCALES.get(device)
+    if t is None:
+        t = _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
 def _fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0
 
@@ -226,7 +237,7 @@ def write_kv_cache(
     else:
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"k_scale/v_scale apply to fp8 caches only; this cache is {k_cache.dtype}.")
-        ks = vs = torch.ones(1, dtype=torch.float32, device=device)
+        ks = vs = unit_scale(device)
     torch.ops.kvcached.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, ks, vs)
 
 

@@ -86,27 +86,32 @@ def main() -> None:
         time.sleep(0.5)  # the engine's monitor applies it within one period
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
     outputs = []
+    cached_tokens = []
     t1 = time.monotonic()
     with sampler:
         for _ in range(spec.get("repeat", 1)):
             results = llm.generate(spec["prompts"], params, use_tqdm=False)
             outputs.append([list(r.outputs[0].token_ids) for r in results])
+            cached_tokens.append([int(r.num_cached_tokens or 0) for r in results])
         run_s = time.monotonic() - t1
         time.sleep(spec.get("settle_s", 0.0))
     after = sampler.read()
     backend = None
+    cached_blocks = None
     try:
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
         backend = runner.attn_groups[0][0].backend.get_name()
         pool = core.scheduler.kv_cache_manager.block_pool
         pool_kind = type(pool).__name__
+        if pool_kind == "KVCachedBlockPool":
+            cached_blocks = pool.free_block_queue.num_free_blocks  # ours holds only cached blocks
     except Exception as exc:  # only diagnostics
         pool_kind = f"unknown ({exc})"
     print("RESULT " + json.dumps({
         "tokens": outputs[0], "all_tokens": outputs, "start_s": start_s, "run_s": run_s,
         "idle_before": idle_before, "after": after, "samples": sampler.samples,
-        "backend": backend, "pool": pool_kind,
+        "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
     }), flush=True)
 
 

@@ -47,3 +47,35 @@ def finish_engine(proc: subprocess.Popen, timeout: float = 400) -> dict:
 
 def run_engine(spec: dict, env: dict[str, str], timeout: float = 400) -> dict:
     return finish_engine(start_engine(spec, env), timeout)
+
+
+_PROBE_HOLD = """
+import sys
+from kvcached import _vmm
+b = _vmm.Backend("host", 0, 8 << 20)
+vt = _vmm.VirtualTensor(b, 2 << 20, 2 << 20)
+pa = _vmm.PageAllocator(b, [vt], [(0, 0, 2 << 20)], 1, 0, 0, False)
+pa.alloc_pages(1)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+_PROBE_LOOK = """
+from kvcached import _vmm
+print(_vmm.Backend("host", 0, 8 << 20).mem_info()[0])
+"""
+
+
+def host_budget_is_shared(env: dict[str, str]) -> bool:
+    """Does a page mapped by one process count against another process's host budget?"""
+    holder = subprocess.Popen([sys.executable, "-c", _PROBE_HOLD], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if holder.stdout.readline().strip() != "held":
+            raise AssertionError(f"host backend probe failed: {holder.stderr.read()[-2000:]}")
+        look = subprocess.run([sys.executable, "-c", _PROBE_LOOK], env=env, capture_output=True, text=True,
+                              timeout=60, check=True)
+        return int(look.stdout.strip()) < (8 << 20)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

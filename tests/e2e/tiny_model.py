@@ -1,22 +1,11 @@
-"""A tiny Llama model with random weights and an offline-trained tokenizer.
-
-vLLM loads it like any Hugging Face checkpoint, so the end-to-end tests need no
-downloads. Head size 32 is the smallest the CPU attention kernels accept.
-"""
+"""Prompts for the end-to-end tests, and the tiny model they run (made offline, no downloads)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from kvcached.integration.vllm.tiny_model import CORPUS
+from kvcached.integration.vllm.tiny_model import make_tiny_llama as make_tiny_model
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Elastic KV caches map memory only for blocks that hold tokens.",
-    "Two engines can share one device when memory follows load.",
-    "Paged attention reads keys and values block by block.",
-    "Once upon a time there was a small model with random weights.",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16.",
-] * 20
+__all__ = ["BURST_PROMPTS", "CORPUS", "LONG_PROMPTS", "PROMPTS", "make_tiny_model"]
 
 PROMPTS = [
     "The quick brown fox",
@@ -25,54 +14,11 @@ PROMPTS = [
     "Paged attention reads keys",
 ]
 
+# Distinct prompts longer than one 128-token block: each leaves one full, hashed block
+# for the prefix cache.
+LONG_PROMPTS = [f"{i} " + " ".join(CORPUS[i % 6 + j] for j in range(6)) for i in range(8)]
+
 # Distinct prompts (no shared prefix blocks), enough to need several 2 MiB pages at once.
 BURST_PROMPTS = [f"{i} {CORPUS[i % 6]} {i * 7 % 13}" for i in range(48)]
 
 
-def make_tiny_model(path: str | Path, *, seed: int = 0, vocab_size: int = 384) -> Path:
-    """Write config, random weights and tokenizer to ``path``; returns it."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
-
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    # Larger weights than the default init make the logits peaked enough that
-    # greedy decoding is stable and differs between prompts.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["torch_dtype"] = "float32"
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
