@@ -19,17 +19,17 @@ log "build"
 CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; exit 1; }
 
-if [[ "$what" == all || "$what" == tests ]]; then
+if [[ "$what" == all || "$what" == tests || "$what" == smoke ]]; then
   log "gpu tests"
-  timeout 300 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi
-if [[ "$what" == all || "$what" == vmm ]]; then
+if [[ "$what" == all || "$what" == vmm || "$what" == smoke ]]; then
   log "bench_vmm"
-  timeout 180 python3 benchmarks/bench_vmm.py --device cuda 2>&1 | tail -60 | tee "$OUT/bench_vmm.log"
+  timeout 180 python3 benchmarks/bench_vmm.py 2>&1 | tail -60 | tee "$OUT/bench_vmm.log"
 fi
-if [[ "$what" == all || "$what" == kernels || "$what" == quick ]]; then
+if [[ "$what" == all || "$what" == kernels || "$what" == quick || "$what" == smoke ]]; then
   log "bench_kernels"
-  mode=""; [[ "$what" == quick ]] && mode="--quick"
+  mode=""; [[ "$what" == quick || "$what" == smoke ]] && mode="--quick"
   timeout 420 python3 benchmarks/bench_kernels.py $mode 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
 fi
 log "collect"

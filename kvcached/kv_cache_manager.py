@@ -193,12 +193,17 @@ class KVCacheManager:
     def alloc(self, need_size: int) -> list[int] | None:
         """``need_size`` block ids, all backed by mapped memory; None if not possible now."""
         pool = self._pool or self._bind()
-        if not self._reserved:
-            return pool.alloc(need_size)
-        return self._alloc_with_reserved(pool, need_size)
+        try:
+            if not self._reserved:
+                return pool.alloc(need_size)
+            return self._alloc_with_reserved(pool, need_size)
+        except TypeError:
+            raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.") from None
 
     def _alloc_with_reserved(self, pool: Any, need_size: int) -> list[int] | None:
-        if not isinstance(need_size, int) or need_size < 0:
+        if not isinstance(need_size, int):
+            raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.")
+        if need_size < 0:
             raise ValueError(f"alloc: need_size must be an int >= 0, got {need_size!r}.")
         taken = min(need_size, len(self._reserved))
         rest = need_size - taken

@@ -210,7 +210,7 @@ class Publisher:
         self._lock = threading.Lock()
         try:
             old = read_segment(name)
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, TimeoutError):
             old = None
         if old is not None and old.pid != os.getpid() and pid_alive(old.pid):
             raise KVCachedStateError(
@@ -240,11 +240,14 @@ class Publisher:
             layout, device = rt.layout.value, rt.device
         return used, prealloc, capacity, total, layout, device
 
-    def publish(self) -> None:
+    def publish(self, w: _Writer | None = None) -> None:
+        if w is None:
+            with _Writer(self.path, create=False) as w2:
+                self.publish(w2)
+            return
         used, prealloc, capacity, total, layout, device = self._snapshot()
-        with _Writer(self.path, create=False) as w:
-            w.write([(_BODY_OFF + 8, "<qqqqqq", (used, prealloc, capacity, total, os.getpid(), time.time_ns())),
-                     (_BODY_OFF + 64, "<16s48s", (layout.encode()[:16], device.encode()[:48]))])
+        w.write([(_BODY_OFF + 8, "<qqqqqq", (used, prealloc, capacity, total, os.getpid(), time.time_ns())),
+                 (_BODY_OFF + 64, "<16s48s", (layout.encode()[:16], device.encode()[:48]))])
 
     def apply_limit(self, limit: int) -> None:
         """Split ``limit`` bytes over this process's pools by their capacity; NO_LIMIT lifts the cap."""
@@ -261,11 +264,13 @@ class Publisher:
         self._applied = limit
 
     def tick(self) -> None:
-        with self._lock:
-            info = read_segment(self.name)
+        # holding the writers' lock there is no other writer, so an odd counter means one
+        # died mid-write: read directly, and this write makes the counter even again
+        with self._lock, _Writer(self.path, create=False) as w:
+            info = _unpack(self.name, w.mm)
             if info.limit != self._applied:
                 self.apply_limit(info.limit)
-            self.publish()
+            self.publish(w)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -294,10 +299,11 @@ class Publisher:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         try:
-            info = read_segment(self.name)
-            if info.pid == os.getpid():
+            with _Writer(self.path, create=False) as w:
+                mine = _unpack(self.name, w.mm).pid == os.getpid()
+            if mine:
                 delete_segment(self.name)
-        except (FileNotFoundError, ValueError):
+        except (OSError, ValueError):
             pass
 
 

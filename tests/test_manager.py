@@ -256,7 +256,7 @@ def test_async_sched_manager_is_thread_safe(monkeypatch: pytest.MonkeyPatch) -> 
 class ManagerMachine(RuleBasedStateMachine):
     """Random alloc/free/reserve/trim/resize against a model; invariants after every step."""
 
-    contiguous = True
+    steps_run = 0  # across examples: the test asserts the total
 
     @initialize(contiguous=st.booleans(), tail=st.integers(0, 63))
     def setup(self, contiguous: bool, tail: int) -> None:
@@ -349,6 +349,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
+        ManagerMachine.steps_run += 1
         m = self.m
         pa = m.page_allocator
         allocated = self.live | self.reserved
@@ -381,5 +382,9 @@ def machine_env(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_manager_matches_model(machine_env: None) -> None:
-    """100 examples x 100 steps = 10,000 random steps, invariants checked after each."""
-    ManagerMachine.TestCase().runTest()
+    """At least 10,000 random steps (KVCACHED_PROPERTY_STEPS), invariants checked after each."""
+    target = int(os.environ.get("KVCACHED_PROPERTY_STEPS", "10000"))
+    ManagerMachine.steps_run = 0
+    while ManagerMachine.steps_run < target:
+        ManagerMachine.TestCase().runTest()
+    assert ManagerMachine.steps_run >= target

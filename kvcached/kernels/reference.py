@@ -138,10 +138,14 @@ def fill_random_(bases: list[torch.Tensor], dtype: torch.dtype, generator: torch
         itemsize = torch.empty((), dtype=dtype).element_size()
         n = base.numel() // itemsize
         src = base.device if generator is None else generator.device
-        vals = torch.randn(n, generator=generator, device=src, dtype=torch.float32).to(base.device)
-        if dtype in FP8_DTYPES:
-            vals = vals * 4.0
-        base[: n * itemsize].view(dtype).copy_(vals.to(dtype))
+        typed = base[: n * itemsize].view(dtype)
+        chunk = 1 << 26  # bounded float32 temporaries for multi-GiB GPU caches
+        for lo in range(0, n, chunk):
+            m = min(chunk, n - lo)
+            vals = torch.randn(m, generator=generator, device=src, dtype=torch.float32).to(base.device)
+            if dtype in FP8_DTYPES:
+                vals = vals * 4.0
+            typed[lo : lo + m].copy_(vals.to(dtype))
 
 
 def paged_kv_case(

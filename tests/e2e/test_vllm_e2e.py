@@ -109,19 +109,29 @@ def test_plugin_refuses_unsupported_vllm_version(tiny_model: str) -> None:
         assert bad in str(info.value) and SUPPORTED_RANGE in str(info.value)
 
 
-def test_plugin_is_inert_without_enable_kvcached() -> None:
-    """The entry point is loaded in every vLLM process; without ENABLE_KVCACHED it must change nothing."""
+def test_plugin_is_inert_without_enable_kvcached_and_strict_with_it() -> None:
+    """The entry point runs in every vLLM process: without ENABLE_KVCACHED it changes nothing; with it, an
+    unsupported vLLM stops with an error naming both versions instead of running without kvcached."""
     import subprocess
 
-    code = ("import vllm.v1.core.kv_cache_coordinator as c, vllm.v1.worker.gpu_model_runner as g\n"
+    code = ("import os, vllm\n"
+            "import vllm.v1.core.kv_cache_coordinator as c, vllm.v1.worker.gpu_model_runner as g\n"
             "from kvcached.integration.vllm.plugin import register\n"
             "before = (c.BlockPool, g.allocate_kv_cache)\n"
             "register()\n"
             "assert (c.BlockPool, g.allocate_kv_cache) == before\n"
-            "print('inert')\n")
+            "print('inert')\n"
+            "os.environ['ENABLE_KVCACHED'] = 'true'\n"
+            "vllm.__version__ = '0.31.1'\n"
+            "try:\n"
+            "    register()\n"
+            "except Exception as exc:\n"
+            "    print('refused:', exc)\n"
+            "assert (c.BlockPool, g.allocate_kv_cache) == before\n")
     out = subprocess.run([sys.executable, "-c", code], env=engine_env(), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "inert" in out.stdout, out.stderr[-3000:]
+    assert "refused: kvcached does not support vLLM 0.31.1" in out.stdout and ">=0.32.0,<0.33.0" in out.stdout
 
 
 def test_two_engines_share_memory(tiny_model: str, baseline_burst: dict) -> None:

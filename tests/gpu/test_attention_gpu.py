@@ -44,7 +44,7 @@ def _run(*, layout="contiguous", style="flash_attn", dtype=torch.bfloat16, kv_dt
          num_kv_heads=8, head_size=128, block_size=16, q_lens=MIXED_Q, seq_lens=MIXED_S, splits=None, seed=0,
          **features):
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-s // block_size) + 1 for s in seq_lens) + 16
+    num_blocks = len(seq_lens) * (-(-max(seq_lens) // block_size) + 1) + 16  # random_batch's table
     k, v, _, _ = paged_kv_case(layout=layout, style=style, num_kv_heads=num_kv_heads, head_size=head_size,
                                block_size=block_size, dtype=kv_dtype or dtype, num_blocks=num_blocks, device="cuda")
     query, bt, sl, qsl = random_batch(q_lens, seq_lens, num_heads, head_size, block_size, k.shape[0], dtype,

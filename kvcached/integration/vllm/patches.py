@@ -110,6 +110,23 @@ def _patch_worker_side() -> None:
 
     gmr.allocate_kv_cache = kv_alloc.allocate_kv_cache
 
+    # vLLM refuses to start when free device memory is below --gpu-memory-utilization,
+    # which is the normal state of a second engine on a shared GPU; KV memory is elastic
+    # here, so start with what is free instead.
+    request = gw.request_memory
+    if not getattr(request, "_kvcached", False):
+        @functools.wraps(request)
+        def request_memory(init_snapshot: Any, *args: Any, **kwargs: Any) -> int:
+            try:
+                return request(init_snapshot, *args, **kwargs)
+            except ValueError as exc:
+                logger.info("kvcached: starting with the %d B free on the device (%s)",
+                            int(init_snapshot.free_memory), exc)
+                return int(init_snapshot.free_memory)
+
+        request_memory._kvcached = True  # type: ignore[attr-defined]
+        gw.request_memory = request_memory
+
     workers = [gw.Worker]
     try:
         import vllm.v1.worker.cpu_worker as cw
@@ -125,7 +142,10 @@ def _patch_worker_side() -> None:
         def make(orig: Any) -> Any:
             @functools.wraps(orig)
             def determine_available_memory(self: Any) -> int:
-                orig(self)  # keeps vLLM's warm-up / profiling run
+                try:
+                    orig(self)  # keeps vLLM's warm-up / profiling run; its KV figure is not used
+                except ValueError as exc:  # "no memory left for the KV cache": ours is virtual
+                    logger.info("kvcached: ignoring vLLM's KV memory estimate (%s)", exc)
                 kv_alloc.ensure_initialized(self.device, contiguous_layout())
                 num_layers = len(self.model_runner.get_kv_cache_spec())
                 return kv_alloc.capacity_bytes(max(1, num_layers))

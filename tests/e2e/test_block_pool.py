@@ -1,0 +1,154 @@
+"""``KVCachedBlockPool`` on its own (no engine): memory follows blocks, misses never raise, cache is bounded.
+
+Geometry: 2 layers, vLLM pages of 16 tokens x 4 KiB = 64 KiB, so one 2 MiB kvcached
+page holds 32 blocks and one page index is 2 layers x 2 MiB. Block 0 is vLLM's null
+block, so page 0 is mapped from the start.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcached.integration.vllm import interfaces, kv_alloc
+
+BLOCK, CELL, LAYERS = 16, 4096, 2
+BPP = (2 << 20) // (BLOCK * CELL)
+
+
+def _make_pool(monkeypatch: pytest.MonkeyPatch, max_cached_tokens: int = -1):
+    from kvcached.integration.vllm.block_pool import KVCachedBlockPool
+
+    monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "64")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", str(max_cached_tokens))
+    monkeypatch.setenv("KVCACHED_IPC_NAME", "kvcached_e2e_pool_unit")
+    interfaces.init_kvcached(device="cpu", contiguous_layout=True)
+    _, meta = interfaces.alloc_kv_cache((8, BLOCK, CELL), BLOCK, torch.uint8, "cpu", LAYERS, attention_type="MLA",
+                                        return_meta=True)
+    n = meta["num_blocks_per_layer"]
+    kv_alloc._pool_info = kv_alloc.PoolInfo(n, BLOCK, CELL, LAYERS)
+    return KVCachedBlockPool(num_gpu_blocks=n, enable_caching=True, hash_block_size=BLOCK)
+
+
+@pytest.fixture
+def make_pool(monkeypatch: pytest.MonkeyPatch):
+    pools = []
+
+    def make(**kw):
+        pools.append(_make_pool(monkeypatch, **kw))
+        return pools[-1]
+
+    yield make
+    for p in pools:
+        p.close()
+    interfaces.shutdown_kvcached()
+    kv_alloc.reset()
+
+
+def _pages(pool) -> int:
+    return int(pool.kv.page_allocator.num_in_use)
+
+
+def _cache(pool, blocks) -> None:
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    for b in blocks:
+        pool._insert_block_hash(make_block_hash_with_group_id(b.block_id.to_bytes(32, "little"), 0), b, None)
+
+
+def test_memory_follows_blocks(make_pool) -> None:
+    pool = make_pool()
+    assert _pages(pool) == 1  # the null block's page
+    blocks = pool.get_new_blocks(BPP + 8)  # 31 fill page 0, the rest open page 1
+    assert len({b.block_id for b in blocks}) == BPP + 8 and 0 not in {b.block_id for b in blocks}
+    assert all(b.ref_cnt == 1 for b in blocks)
+    assert _pages(pool) == 2
+    pool.free_blocks(blocks)  # no hash: given back to kvcached at once
+    assert _pages(pool) == 1
+    assert pool.free_block_queue.num_free_blocks == 0
+
+
+def test_shortfall_is_a_scheduling_miss(make_pool) -> None:
+    pool = make_pool()
+    assert pool.kv.resize(2 * (2 << 20)) is True  # cap at 2 pages: 63 blocks besides the null block
+    held = pool.get_new_blocks(60)
+    pool.expect(10)
+    assert pool.get_num_free_blocks() < 10  # allocate_slots then returns None: the request waits
+    pool.release_unused()
+    pool.expect(3)
+    assert pool.get_num_free_blocks() >= 3
+    got = pool.get_new_blocks(3)  # what the check promised is there
+    assert len(got) == 3
+    pool.release_unused()
+    pool.free_blocks(held + got)
+    assert _pages(pool) == 1
+
+
+def test_cached_blocks_stay_mapped_and_are_reused(make_pool) -> None:
+    pool = make_pool()
+    blocks = pool.get_new_blocks(4)
+    _cache(pool, blocks)
+    pool.free_blocks(blocks)
+    assert pool.free_block_queue.num_free_blocks == 4 and pool.kv.num_allocated_blocks() == 5
+    hit = pool.get_cached_block(_hash_of(blocks[0]), [0])
+    assert hit == [blocks[0]]
+    pool.touch(hit)  # a prefix hit takes the block back out of the evictable queue
+    assert blocks[0].ref_cnt == 1 and pool.free_block_queue.num_free_blocks == 3
+    pool.free_blocks(hit)
+    assert pool.free_block_queue.num_free_blocks == 4
+
+
+def _hash_of(block):
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    return get_block_hash(block.block_hash)
+
+
+def test_cache_is_bounded_by_max_cached_tokens(make_pool) -> None:
+    pool = make_pool(max_cached_tokens=3 * BLOCK)
+    blocks = pool.get_new_blocks(10)
+    _cache(pool, blocks)
+    pool.free_blocks(blocks)
+    assert pool.free_block_queue.num_free_blocks <= 3
+    assert pool.kv.num_allocated_blocks() == 1 + pool.free_block_queue.num_free_blocks
+    evicted = [b for b in blocks if b.block_hash is None]
+    assert len(evicted) >= 7  # evicted blocks lost their hash: no stale prefix hit
+
+
+def test_eviction_takes_whole_pages_first(make_pool) -> None:
+    pool = make_pool()
+    first = pool.get_new_blocks(BPP - 1)  # the rest of page 0
+    page1 = pool.get_new_blocks(BPP)
+    page2 = pool.get_new_blocks(4)
+    assert {b.block_id // BPP for b in page1} == {1} and {b.block_id // BPP for b in page2} == {2}
+    # cache page 2's blocks first (least recently used), then all of page 1
+    _cache(pool, page2[:2] + page1)
+    pool.free_blocks(page2[:2])
+    pool.free_blocks(page1)
+    assert _pages(pool) == 3
+    pool._evict(1)  # one block asked for: the whole free page goes, not page 2's older blocks
+    assert _pages(pool) == 2
+    assert all(b.block_hash is None for b in page1) and all(b.block_hash is not None for b in page2[:2])
+    pool.free_blocks(first + page2[2:])
+
+
+def test_reset_prefix_cache_gives_memory_back(make_pool) -> None:
+    pool = make_pool()
+    blocks = pool.get_new_blocks(BPP + 1)
+    _cache(pool, blocks)
+    pool.free_blocks(blocks)
+    assert _pages(pool) == 2
+    assert pool.reset_prefix_cache() is True
+    assert _pages(pool) == 1 and pool.free_block_queue.num_free_blocks == 0
+
+
+def test_pool_needs_kvcached_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcached.errors import KVCachedStateError
+    from kvcached.integration.vllm.block_pool import KVCachedBlockPool
+
+    kv_alloc.reset()
+    with pytest.raises(KVCachedStateError, match="tensor and pipeline parallel size 1"):
+        KVCachedBlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
+

@@ -1,0 +1,262 @@
+"""Every kind of bad input raises a clear exception and leaves live KV data and pool state intact."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvcached import kv_cache_manager, mem_info, vmm_ops
+from kvcached.cli import utils as cli_utils
+from kvcached.errors import KVCachedConfigError, KVCachedError, KVCachedStateError, KVCachePoolExhausted
+from kvcached.integration.sglang import interfaces as sg
+from kvcached.integration.vllm import interfaces as vi
+from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.layout import KVGeometry, KVSpec, kv_cache_view
+
+MiB = 1 << 20
+LAYERS, HEADS, HEAD, BS = 2, 2, 64, 16
+DTYPE = torch.float16
+CELL = HEADS * HEAD * 2  # 256 B per token: 4 KiB blocks, 512 per page
+PAGES = 4
+
+
+@dataclass
+class Ctx:
+    mgr: KVCacheManager
+    views: list[torch.Tensor]
+    live: list[int]
+    geom: KVGeometry
+    raw: list[torch.Tensor]
+
+
+def _stamp(ctx: Ctx) -> None:
+    for b in ctx.live:
+        for layer, v in enumerate(ctx.views):
+            v[0, b].fill_(float(b % 1000) + layer)
+            v[1, b].fill_(-float(b % 1000) - layer)
+
+
+def _intact(ctx: Ctx) -> None:
+    for b in ctx.live:
+        for layer, v in enumerate(ctx.views):
+            for kv, val in ((0, float(b % 1000) + layer), (1, -float(b % 1000) - layer)):
+                t = v[kv, b]
+                assert torch.equal(t, torch.full_like(t, val)), f"live block {b} changed"
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "256")
+    monkeypatch.setattr(kv_cache_manager, "KV_TENSOR_WAIT_TIMEOUT", 0.05)
+    yield monkeypatch
+    vi.shutdown_kvcached()
+    sg.shutdown_kvcached()
+    if vmm_ops.is_initialized():
+        vmm_ops.shutdown_kvcached()
+
+
+@pytest.fixture
+def ctx(env: pytest.MonkeyPatch) -> Ctx:
+    vmm_ops.init_kvcached("cpu", contiguous_layout=True)
+    rt = vmm_ops.runtime()
+    raw = vmm_ops.create_kv_tensors(PAGES * 2 * rt.page_size, 2, "cpu", LAYERS)
+    geom = KVGeometry(KVSpec(LAYERS, PAGES * 512, BS, HEADS, HEAD, DTYPE), rt.layout, rt.page_size)
+    views = [kv_cache_view(raw, geom, layer) for layer in range(LAYERS)]
+    mgr = KVCacheManager(PAGES * 512, BS, CELL, LAYERS, reserve_null_block=True)
+    live = mgr.alloc(700)
+    assert live is not None
+    assert mgr.try_to_reserve(10)
+    c = Ctx(mgr, views, live, geom, raw)
+    _stamp(c)
+    return c
+
+
+# -- bad inputs with a live pool -------------------------------------------
+def _second_group(ctx: Ctx) -> None:
+    vmm_ops.create_kv_tensors(2 * 2 * MiB, 2, "cpu", LAYERS, group_id=1)
+
+
+def _with_env(name: str, value: str) -> Callable[[Ctx, pytest.MonkeyPatch], None]:
+    def run(ctx: Ctx, mp: pytest.MonkeyPatch) -> None:
+        _second_group(ctx)
+        mp.setenv(name, value)
+        KVCacheManager(512, BS, CELL, LAYERS, group_id=1)
+
+    return run
+
+
+LIVE_CASES: dict[str, tuple[Callable[[Ctx, pytest.MonkeyPatch], object], type[BaseException], str]] = {
+    "free-double": (lambda c, mp: c.mgr.free([c.live[0], c.live[0]]), ValueError, "twice|double"),
+    "free-unallocated": (lambda c, mp: c.mgr.free([PAGES * 512 - 1]), ValueError, "not allocated"),
+    "free-out-of-range": (lambda c, mp: c.mgr.free([10**9]), ValueError, "out of range"),
+    "free-negative": (lambda c, mp: c.mgr.free([-1]), ValueError, "out of range"),
+    "free-not-ints": (lambda c, mp: c.mgr.free(["a"]), ValueError, "not an int"),
+    "free-not-a-list": (lambda c, mp: c.mgr.free(5), ValueError, "list of ints"),
+    "free-mixed-good-and-bad": (lambda c, mp: c.mgr.free([c.live[1], 10**9]), ValueError, "nothing was freed"),
+    "free-null-block": (lambda c, mp: c.mgr.free([0]), ValueError, "null block"),
+    "free-reserved-block": (lambda c, mp: c.mgr.free([c.mgr._reserved[0]]), ValueError, "free_reserved"),
+    "alloc-negative": (lambda c, mp: c.mgr.alloc(-1), ValueError, ">= 0"),
+    "alloc-float": (lambda c, mp: c.mgr.alloc(1.5), TypeError, "int"),
+    "over-allocation-raises-exhausted": (lambda c, mp: c.mgr.alloc_or_raise(PAGES * 512), KVCachePoolExhausted,
+                                         "cannot provide"),
+    "reserve-negative": (lambda c, mp: c.mgr.try_to_reserve(-3), ValueError, ">= 0"),
+    "resize-zero": (lambda c, mp: c.mgr.resize(0), ValueError, "positive"),
+    "resize-string": (lambda c, mp: c.mgr.resize("1G"), ValueError, "positive int"),
+    "mapped-size-bad-unit": (lambda c, mp: c.mgr.get_mapped_memory_size("tb"), ValueError, "unknown unit"),
+    "manager-block-straddles-page": (lambda c, mp: KVCacheManager(100, 3, 1000, LAYERS, group_id=1),
+                                     KVCachedConfigError, "straddle"),
+    "manager-block-larger-than-page": (lambda c, mp: KVCacheManager(100, 4096, 1024, LAYERS, group_id=1),
+                                       KVCachedConfigError, "straddle"),
+    "manager-zero-blocks": (lambda c, mp: KVCacheManager(0, BS, CELL, LAYERS), KVCachedConfigError, "positive"),
+    "manager-tensor-parallel": (lambda c, mp: KVCacheManager(10, BS, CELL, LAYERS, world_size=2),
+                                KVCachedConfigError, "tensor parallel"),
+    "manager-too-many-blocks": (lambda c, mp: KVCacheManager(PAGES * 512 + 1, BS, CELL, LAYERS),
+                                KVCachedConfigError, "needs 5 pages"),
+    "manager-layer-mismatch": (lambda c, mp: KVCacheManager(10, BS, CELL, LAYERS + 1), KVCachedConfigError,
+                               "does not match"),
+    "manager-second-on-group": (lambda c, mp: KVCacheManager(10, BS, CELL, LAYERS), KVCachedStateError,
+                                "already has a live KVCacheManager"),
+    "manager-before-kv-tensors": (lambda c, mp: KVCacheManager(10, BS, CELL, LAYERS, group_id=7).alloc(1),
+                                  KVCachedStateError, "create_kv_tensors"),
+    "kv-tensors-not-page-multiple": (lambda c, mp: vmm_ops.create_kv_tensors(3 * MiB, 2, "cpu", LAYERS, group_id=1),
+                                     KVCachedConfigError, "whole pages"),
+    "kv-tensors-group-exists": (lambda c, mp: vmm_ops.create_kv_tensors(4 * MiB, 2, "cpu", LAYERS),
+                                KVCachedStateError, "already exist"),
+    "kv-tensors-wrong-device": (lambda c, mp: vmm_ops.create_kv_tensors(4 * MiB, 2, "cuda:0", LAYERS, group_id=1),
+                                KVCachedConfigError, "does not match the device"),
+    "kv-tensors-three-buffers": (lambda c, mp: vmm_ops.create_kv_tensors(6 * MiB, 2, "cpu", LAYERS, 3, 1),
+                                 KVCachedConfigError, "num_kv_buffers"),
+    "kv-tensors-negative-size": (lambda c, mp: vmm_ops.create_kv_tensors(-4, 2, "cpu", LAYERS, group_id=1),
+                                 KVCachedConfigError, "positive int"),
+    "init-twice": (lambda c, mp: vmm_ops.init_kvcached("cpu"), KVCachedStateError, "already initialized"),
+    "map-misaligned-offset": (lambda c, mp: vmm_ops.map_to_kv_tensors([12345]), ValueError, "multiple of the page"),
+    "map-managed-group": (lambda c, mp: vmm_ops.map_to_kv_tensors([0]), KVCachedStateError, "managed by"),
+    "unmap-out-of-range": (lambda c, mp: vmm_ops.unmap_from_kv_tensors([1 << 40]), ValueError, "beyond"),
+    "view-unknown-style": (lambda c, mp: kv_cache_view(c.raw, c.geom, 0, "hnd"), ValueError, "unknown view style"),
+    "view-wrong-base-dtype": (lambda c, mp: kv_cache_view([torch.zeros(10)], c.geom, 0), ValueError, "1-D uint8"),
+    "vllm-mla-shape-block-mismatch": (lambda c, mp: (mp.setattr(vi, "_kvcached_initialized", True),
+                                                     vi.alloc_kv_cache((10, 32, 64), 16, DTYPE, "cpu", 2,
+                                                                       attention_type="MLA")),
+                                      KVCachedConfigError, "MLA kv cache shape must be"),
+    "vllm-unsupported-dtype": (lambda c, mp: KVSpec(2, 10, 16, 2, 64, torch.complex64), KVCachedConfigError,
+                               "not supported"),
+    "sglang-page-does-not-divide": (lambda c, mp: (mp.setattr(sg, "_kvcached_initialized", True),
+                                                   sg.alloc_kv_cache((100, 3, 100), DTYPE, "cpu", 2, page_size=3)),
+                                    KVCachedConfigError, "does not divide"),
+    "sglang-shape-not-3d": (lambda c, mp: (mp.setattr(sg, "_kvcached_initialized", True),
+                                           sg.alloc_kv_cache((100, 2), DTYPE, "cpu", 2)),
+                            KVCachedConfigError, "num_tokens, heads, head_dim"),
+    "vllm-attention-type": (lambda c, mp: (mp.setattr(vi, "_kvcached_initialized", True),
+                                           vi.alloc_kv_cache((2, 10, 16, 2, 64), 16, DTYPE, "cpu", 2,
+                                                             attention_type="LINEAR")),
+                            KVCachedConfigError, "not supported"),
+    "vllm-kv-layout-hnd": (lambda c, mp: (mp.setattr(vi, "_kvcached_initialized", True),
+                                          vi.alloc_kv_cache((2, 10, 16, 2, 64), 16, DTYPE, "cpu", 2, kv_layout="HND")),
+                           KVCachedConfigError, "NHD"),
+    "vllm-bad-shape": (lambda c, mp: (mp.setattr(vi, "_kvcached_initialized", True),
+                                      vi.alloc_kv_cache((3, 10, 16, 2, 64), 16, DTYPE, "cpu", 2)),
+                       KVCachedConfigError, "neither"),
+    "env-min-reserved-not-int": (_with_env("KVCACHED_MIN_RESERVED_PAGES", "abc"), KVCachedConfigError,
+                                 "KVCACHED_MIN_RESERVED_PAGES='abc' is not an integer"),
+    "env-min-above-max": (_with_env("KVCACHED_MIN_RESERVED_PAGES", "50"), KVCachedConfigError, "exceeds"),
+    "env-utilization-above-one": (_with_env("KVCACHED_GPU_UTILIZATION", "2"), KVCachedConfigError,
+                                  "KVCACHED_GPU_UTILIZATION"),
+    "env-prealloc-not-bool": (_with_env("KVCACHED_PAGE_PREALLOC_ENABLED", "maybe"), KVCachedConfigError,
+                              "not a boolean"),
+    "kvctl-negative-limit": (lambda c, mp: cli_utils.update_kv_cache_limit(mem_info.publisher().name, -5),
+                             ValueError, ">= 0"),
+    "ipc-name-with-slash": (lambda c, mp: mem_info.read_segment("a/b"), ValueError, "bad IPC name"),
+}
+
+
+@pytest.mark.parametrize("kind", list(LIVE_CASES))
+def test_bad_input_with_live_pool(kind: str, ctx: Ctx, env: pytest.MonkeyPatch) -> None:
+    call, exc_type, pattern = LIVE_CASES[kind]
+    m = ctx.mgr
+    before = (m.num_allocated_blocks(), m.available_size(), list(m._reserved), m.page_allocator.num_in_use)
+    with pytest.raises(exc_type) as info:
+        call(ctx, env)
+    message = str(info.value)
+    assert re.search(pattern, message), f"unclear message for {kind}: {message!r}"
+    assert len(message) > 15, f"message too terse: {message!r}"
+    # live data and the pool's state are untouched, and the pool still works
+    _intact(ctx)
+    assert (m.num_allocated_blocks(), m.available_size(), list(m._reserved), m.page_allocator.num_in_use) == before
+    got = m.alloc(3)
+    assert got is not None and not set(got) & set(ctx.live)
+    m.free(got)
+    _intact(ctx)
+
+
+# -- bad inputs with no runtime (before init, after shutdown, bad init env) ------
+def _after_shutdown(mp: pytest.MonkeyPatch) -> None:
+    vmm_ops.init_kvcached("cpu")
+    vmm_ops.create_kv_tensors(4 * MiB, 2, "cpu", LAYERS)
+    m = KVCacheManager(512, BS, CELL, LAYERS)
+    vmm_ops.shutdown_kvcached()
+    m.alloc(1)
+
+
+def _init_env(name: str, value: str) -> Callable[[pytest.MonkeyPatch], None]:
+    def run(mp: pytest.MonkeyPatch) -> None:
+        mp.setenv(name, value)
+        vmm_ops.init_kvcached("cpu")
+
+    return run
+
+
+NO_RUNTIME_CASES: dict[str, tuple[Callable[[pytest.MonkeyPatch], object], type[BaseException], str]] = {
+    "create-before-init": (lambda mp: vmm_ops.create_kv_tensors(4 * MiB, 2, "cpu", 2), KVCachedStateError,
+                           "not initialized"),
+    "shutdown-before-init": (lambda mp: vmm_ops.shutdown_kvcached(), KVCachedStateError, "not initialized"),
+    "manager-before-init": (lambda mp: KVCacheManager(10, BS, CELL, 2), KVCachedStateError, "init_kvcached"),
+    "vllm-alloc-before-init": (lambda mp: vi.alloc_kv_cache((2, 10, 16, 2, 64), 16, DTYPE, "cpu", 2),
+                               KVCachedStateError, "init_kvcached"),
+    "sglang-manager-before-init": (lambda mp: sg.get_kv_cache_manager(10, 1, 256, 2), KVCachedStateError,
+                                   "init_kvcached"),
+    "use-after-shutdown": (_after_shutdown, KVCachedStateError, "closed|shut down"),
+    "init-unknown-device": (lambda mp: vmm_ops.init_kvcached("tpu:0"), KVCachedConfigError, "not understood"),
+    "init-bad-device-index": (lambda mp: vmm_ops.init_kvcached("cuda:x"), KVCachedConfigError, "bad index"),
+    "init-page-not-2mib": (lambda mp: vmm_ops.init_kvcached("cpu", page_size=3 * MiB), KVCachedConfigError,
+                           "multiple of 2 MiB"),
+    "env-backend-unknown": (_init_env("KVCACHED_BACKEND", "tpu"), KVCachedConfigError, "KVCACHED_BACKEND"),
+    "env-page-size-odd": (_init_env("KVCACHED_PAGE_SIZE_MB", "3"), KVCachedConfigError, "KVCACHED_PAGE_SIZE_MB"),
+    "env-page-size-text": (_init_env("KVCACHED_PAGE_SIZE_MB", "two"), KVCachedConfigError, "not an integer"),
+    "env-layout-not-bool": (_init_env("KVCACHED_CONTIGUOUS_LAYOUT", "maybe"), KVCachedConfigError,
+                            "KVCACHED_CONTIGUOUS_LAYOUT"),
+    "env-host-limit-zero": (_init_env("KVCACHED_HOST_MEM_LIMIT_MB", "0"), KVCachedConfigError, "at least 1"),
+    "vllm-tensor-parallel": (lambda mp: vi.init_kvcached(world_size=2, device="cpu"), KVCachedConfigError,
+                             "tensor parallel"),
+}
+if not getattr(torch.version, "hip", None):
+    NO_RUNTIME_CASES["hip-backend-without-runtime-or-device"] = (
+        _init_env("KVCACHED_BACKEND", "hip"), KVCachedError, "hip|HIP|libamdhip64|device")
+
+
+@pytest.mark.parametrize("kind", list(NO_RUNTIME_CASES))
+def test_bad_input_without_runtime(kind: str, env: pytest.MonkeyPatch) -> None:
+    call, exc_type, pattern = NO_RUNTIME_CASES[kind]
+    with pytest.raises(exc_type) as info:
+        call(env)
+    assert re.search(pattern, str(info.value)), f"unclear message for {kind}: {info.value!r}"
+    # nothing half-initialized is left behind: a correct init works now
+    for var in ("KVCACHED_BACKEND", "KVCACHED_PAGE_SIZE_MB", "KVCACHED_CONTIGUOUS_LAYOUT",
+                "KVCACHED_HOST_MEM_LIMIT_MB"):
+        env.delenv(var, raising=False)
+    if vmm_ops.is_initialized():
+        vmm_ops.shutdown_kvcached()
+    vmm_ops.init_kvcached("cpu")
+    vmm_ops.create_kv_tensors(4 * MiB, 2, "cpu", LAYERS)
+    m = KVCacheManager(512, BS, CELL, LAYERS)
+    assert m.alloc(2) is not None
+
+
+def test_at_least_thirty_kinds() -> None:
+    assert len(LIVE_CASES) + len(NO_RUNTIME_CASES) >= 30

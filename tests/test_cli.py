@@ -1,0 +1,129 @@
+"""kvctl and kvtop against a live segment (and against none)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from kvcached import mem_info, vmm_ops
+from kvcached.cli import kvctl, kvtop
+from kvcached.kv_cache_manager import KVCacheManager
+from kvcached.utils import parse_size
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def live(monkeypatch: pytest.MonkeyPatch):
+    name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVCACHED_IPC_NAME", name)
+    vmm_ops.init_kvcached("cpu", contiguous_layout=False)
+    vmm_ops.create_kv_tensors(4 * 2 * 2 * MiB, 2, "cpu", 2)
+    m = KVCacheManager(4 * 512, 16, 256, 2)
+    m.alloc(600)  # two pages
+    end = time.monotonic() + 2
+    while mem_info.read_segment(name).used_size != 2 * 8 * MiB and time.monotonic() < end:
+        time.sleep(0.01)
+    yield name, m
+    vmm_ops.shutdown_kvcached()
+    mem_info.delete_segment(name)
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("2G", 2 << 30), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("1048576", 1 << 20), ("64 kb", 64 << 10),
+     ("0", 0), ("1_000", 1000)],
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "G", "12X", "-1G", "abc", "1.2.3M", "nan", "inf"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_list_table_and_json(live, capsys: pytest.CaptureFixture[str]) -> None:
+    name, _ = live
+    assert kvctl.main(["list"]) == 0
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.startswith(name))
+    assert "16.0 MiB" in line and "per_layer" in line and "none" in line
+    assert kvctl.main(["list", name, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["name"] == name and rows[0]["used_size"] == 16 * MiB and rows[0]["alive"] is True
+    assert rows[0]["pid"] == os.getpid()
+
+
+def test_limit_and_limit_percent(live, capsys: pytest.CaptureFixture[str]) -> None:
+    name, m = live
+    assert kvctl.main(["--json", "limit", name, "24M"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["ok"] and reply["limit"] == 24 * MiB
+    end = time.monotonic() + 1
+    while m.limit_pages != 3 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert m.limit_pages == 3
+    assert kvctl.main(["limit", name, "8M"]) == 0
+    assert "shrinks as blocks are freed" in capsys.readouterr().out  # 16 MiB in use > 8 MiB
+    assert kvctl.main(["limit-percent", name, "50"]) == 0
+    info = mem_info.read_segment(name)
+    assert info.limit == info.device_total // 2
+
+
+def test_errors_exit_nonzero(live, capsys: pytest.CaptureFixture[str]) -> None:
+    name, _ = live
+    assert kvctl.main(["limit", "kvcached_nope", "1G"]) == 1
+    assert "no kvcached instance named 'kvcached_nope'" in capsys.readouterr().err
+    assert kvctl.main(["limit", name, "lots"]) == 2
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err
+    assert kvctl.main(["limit-percent", name, "150"]) == 2
+    assert kvctl.main(["delete", "kvcached_nope"]) == 1
+    with pytest.raises(SystemExit):
+        kvctl.main(["frobnicate"])
+
+
+def test_watch_frames_and_delete(live, capsys: pytest.CaptureFixture[str]) -> None:
+    name, _ = live
+    assert kvctl.main(["watch", "-n", "0.01", "--count", "2", "--json", name]) == 0
+    frames = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
+    assert len(frames) == 2 and frames[0][0]["name"] == name
+    assert kvctl.main(["delete", name]) == 0
+    assert not os.path.exists(mem_info.segment_path(name))
+    # the live engine recreates it within its next period
+    end = time.monotonic() + 2
+    while not os.path.exists(mem_info.segment_path(name)) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert os.path.exists(mem_info.segment_path(name))
+
+
+def test_kvtop_once(live) -> None:
+    name, _ = live
+    frame = kvtop.render([name])
+    assert name in frame and "used 16.0 MiB" in frame and "alive" in frame
+    out = subprocess.run([sys.executable, "-m", "kvcached.cli.kvtop", "--once", name], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and name in out.stdout and "#" in out.stdout
+
+
+def test_no_instances(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(mem_info, "SHM_DIR", str(tmp_path))
+    assert mem_info.list_segments() == []
+    assert kvctl.main(["list"]) == 0
+    assert "No kvcached instances found." in capsys.readouterr().out
+    assert "No kvcached instances found." in kvtop.render()
+
+
+def test_kvcached_command_dispatch() -> None:
+    from kvcached.__main__ import main
+
+    assert main(["--help"]) == 0
+    assert main(["bogus"]) == 2
+    assert main(["ctl", "list", "--json"]) == 0

@@ -1,0 +1,187 @@
+"""The /dev/shm segment: contents, torn-read safety, clean-up, and limits set by kvctl
+from another process taking effect in a running pool within a second."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from kvcached import mem_info, vmm_ops
+from kvcached.cli import utils as cli_utils
+from kvcached.kv_cache_manager import KVCacheManager
+
+MiB = 1 << 20
+LAYERS = 2
+BS, CELL = 16, 2 * 64 * 2  # 4 KiB blocks: 512 per 2 MiB page
+GROUP = LAYERS * 2 * 2 * MiB  # bytes behind one page index
+
+
+@pytest.fixture
+def name(monkeypatch: pytest.MonkeyPatch):
+    n = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVCACHED_IPC_NAME", n)
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "1")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "2")
+    yield n
+    if vmm_ops.is_initialized():
+        vmm_ops.shutdown_kvcached()
+    mem_info.delete_segment(n)
+
+
+def _pool(pages: int = 8, contiguous: bool = True) -> KVCacheManager:
+    vmm_ops.init_kvcached("cpu", contiguous_layout=contiguous)
+    vmm_ops.create_kv_tensors(pages * 2 * 2 * MiB, 2, "cpu", LAYERS)
+    return KVCacheManager(pages * 512, BS, CELL, LAYERS)
+
+
+def _wait(cond, timeout: float) -> float | None:
+    """Seconds until cond() held, or None if it did not within timeout."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return time.monotonic() - t0
+        time.sleep(0.01)
+    return None
+
+
+def _kvctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_segment_publishes_usage_and_is_removed_at_shutdown(name: str) -> None:
+    m = _pool()
+    blocks = m.alloc(512 * 3)  # three pages
+    assert blocks is not None
+    assert _wait(lambda: mem_info.read_segment(name).used_size == 3 * GROUP, 2.0) is not None
+    info = mem_info.read_segment(name)
+    assert info.pid == os.getpid()
+    assert info.capacity == 8 * GROUP
+    assert info.limit == mem_info.NO_LIMIT and info.total_size == info.capacity
+    assert info.layout == "contiguous" and info.device == "cpu"
+    assert info.device_total > 0
+    assert info.prealloc_size == m.page_allocator.num_reserved * GROUP or info.prealloc_size >= 0
+    assert name in mem_info.list_segments()
+    vmm_ops.shutdown_kvcached()
+    assert not os.path.exists(mem_info.segment_path(name))
+
+
+def test_kvctl_limit_from_another_process_shrinks_and_regrows(name: str) -> None:
+    m = _pool(8)
+    held = m.alloc(512 * 6)  # six pages in use
+    assert held is not None
+    keep = held[:512 * 2]  # two pages stay
+    m.free(held[512 * 2:])
+    assert _wait(lambda: mem_info.read_segment(name).used_size == 2 * GROUP, 2.0) is not None
+
+    # shrink to 3 page groups: applied within a second, in the engine, without any call from it
+    r = _kvctl("limit", name, f"{3 * GROUP // MiB}M")
+    assert r.returncode == 0, r.stderr
+    t = _wait(lambda: m.limit_pages == 3 and m.mapped_bytes <= 3 * GROUP, 1.0)
+    assert t is not None, f"limit not applied within 1 s (limit_pages={m.limit_pages}, mapped={m.mapped_bytes})"
+    assert m.available_size() == 512  # one more page, then no more
+    assert m.alloc(513) is None
+    one = m.alloc(512)
+    assert one is not None
+
+    # below what is in use: nothing in use is dropped; the cap follows as blocks are freed
+    r = _kvctl("limit", name, f"{GROUP // MiB}M")
+    assert r.returncode == 0, r.stderr
+    assert _wait(lambda: m.limit_pages == 1, 1.0) is not None
+    assert m.page_allocator.num_in_use == 3 and m.alloc(1) is None
+    m.free(one)
+    m.free(keep[512:])
+    assert _wait(lambda: m.mapped_bytes == GROUP, 1.0) is not None
+    assert _wait(lambda: mem_info.read_segment(name).used_size == GROUP, 1.0) is not None
+
+    # regrow: a higher limit lets the pool map pages again within a second
+    r = _kvctl("limit", name, "1G")
+    assert r.returncode == 0, r.stderr
+    assert _wait(lambda: m.available_size() == 8 * 512 - 512, 1.0) is not None
+    more = m.alloc(512 * 7)
+    assert more is not None
+    assert _wait(lambda: mem_info.read_segment(name).used_size == 8 * GROUP, 1.0) is not None
+
+
+def test_limit_percent_uses_device_memory(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "1024")
+    m = _pool(8)
+    assert _wait(lambda: mem_info.read_segment(name).device_total == 1024 * MiB, 2.0) is not None
+    r = _kvctl("limit-percent", name, "2.5")  # 25.6 MiB -> three page groups of 8 MiB
+    assert r.returncode == 0, r.stderr
+    assert _wait(lambda: m.limit_pages == 3, 1.0) is not None
+
+
+def test_reads_are_never_torn(name: str) -> None:
+    """A writer in another process keeps limit == limit_ns; a reader must never see them differ."""
+    _pool(2)
+    writer = (
+        "import sys, time\n"
+        "from kvcached import mem_info as mi\n"
+        "end = time.time() + 1.5\n"
+        "k = 0\n"
+        "while time.time() < end:\n"
+        "    with mi._Writer(mi.segment_path(sys.argv[1]), create=False) as w:\n"
+        "        w.write([(mi._LIMIT_OFF, '<q', (k,)), (mi._LIMIT_NS_OFF, '<q', (k,))])\n"
+        "    k += 1\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer, name])
+    seen = 0
+    try:
+        while proc.poll() is None:
+            info = mem_info.read_segment(name)
+            if info.limit_ns:
+                assert info.limit == info.limit_ns, "torn read"
+                seen += 1
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+    assert seen > 0
+
+
+def test_a_writer_that_died_mid_write_does_not_block_readers(name: str) -> None:
+    _pool(2)
+    path = mem_info.segment_path(name)
+    with open(path, "r+b") as f:
+        f.seek(8)
+        (seq,) = struct.unpack("<Q", f.read(8))
+        f.seek(8)
+        f.write(struct.pack("<Q", seq | 1))  # odd: "mid-write" forever
+    # the next write (the engine's monitor) repairs the counter
+    assert _wait(lambda: _readable(name), 2.0) is not None
+
+
+def _readable(name: str) -> bool:
+    try:
+        mem_info.read_segment(name)
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_stale_segment_of_a_dead_process_is_taken_over(name: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(proc.stdout)
+    with mem_info._Writer(mem_info.segment_path(name), create=True) as w:
+        w.mm[:mem_info._BODY_OFF] = mem_info._HEADER.pack(mem_info.MAGIC, mem_info.VERSION, 0)
+        w.write([(mem_info._BODY_OFF, mem_info._BODY.format,
+                  (123, 0, 0, 0, 0, dead_pid, 0, 0, b"", b""))])
+    _pool(2)
+    info = mem_info.read_segment(name)
+    assert info.pid == os.getpid() and info.limit == mem_info.NO_LIMIT
+
+
+def test_cli_utils_round_trip(name: str) -> None:
+    _pool(4)
+    assert cli_utils.get_kv_cache_limit("kvcached_no_such_segment") is None
+    assert cli_utils.update_kv_cache_limit("kvcached_no_such_segment", 1) is None
+    info = cli_utils.update_kv_cache_limit(name, 16 * MiB)
+    assert info is not None and info.total_size == 16 * MiB
+    got = cli_utils.get_kv_cache_limit(name)
+    assert got is not None and got.total_size == 16 * MiB and got.limit == 16 * MiB
