@@ -467,7 +467,7 @@ def main() -> int:
     ceil_tab = Table("Ceilings measured in this run", ["what", "size", "time (us)", "rate"])
     ceil = ceilings(ceil_tab)
     dec = Table(f"Decode: bf16, {Q_HEADS} query / {KV_HEADS} KV heads, head {HEAD}, block {BLOCK}, random block tables",
-                ["batch", "context", "impl", "time (us)", "TB/s", "% gather ceiling", "contig/per-layer time",
+                ["batch", "context", "impl", "time (us)", "TB/s", "% gather ceiling", "time / ours per-layer",
                  "check vs fp64", "note"])
     series = run_decode(dec, ceil, decode_shapes, flex_shapes)
     pre = Table("Prefill: one causal prompt", ["tokens", "impl", "time (us)", "TFLOP/s", "% matmul ceiling",

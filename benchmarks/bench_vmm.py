@@ -86,6 +86,7 @@ def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int) -> dict
     pool = _vmm.BlockPool(pa, geom.blocks_per_page, geom.num_blocks)
     grow_blocks = GiB // bytes_per_block  # 512 blocks = 1 GiB of KV
     grow, shrink = [], []
+    pa.reset_phase_times()
     for _ in range(reps):
         t0 = time.perf_counter()
         ids = pool.alloc(grow_blocks)
@@ -95,6 +96,7 @@ def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int) -> dict
         t2 = time.perf_counter()
         grow.append((t1 - t0) * 1e3)
         shrink.append((t2 - t1) * 1e3)
+    phases = {k: (us / reps / 1e3, calls // reps) for k, (us, calls) in pa.phase_times().items()}
     pa.close()
     t0 = time.perf_counter()
     del pool, pa, vts
@@ -108,6 +110,7 @@ def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int) -> dict
         "grow_min_ms": min(grow),
         "shrink_ms": statistics.median(shrink),
         "shrink_min_ms": min(shrink),
+        "phases": phases,
     }
 
 
@@ -184,6 +187,8 @@ def main() -> None:
     ap.add_argument("--virtual-gib", type=float, default=None,
                     help="virtual KV size for the creation time (default: 90%% of device memory; host 16)")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--breakdown-units", type=int, default=2048,
+                    help="2 MiB units of the zero-page breakdown experiments (0: skip them)")
     ap.add_argument("--pairs", type=int, default=300_000)
     ap.add_argument("--host-limit-gib", type=float, default=4.0)
     ap.add_argument("--out", type=Path, default=None)
@@ -197,6 +202,7 @@ def main() -> None:
         virtual = int(args.virtual_gib * GiB)
 
     calls = _vmm.bench_driver_calls(backend, args.driver_pages, PAGE)
+    breakdown = _vmm.bench_breakdown(backend, args.breakdown_units, PAGE) if args.breakdown_units else {}
     layouts = {lay: bench_layout(backend, lay, virtual, args.reps) for lay in (Layout.CONTIGUOUS, Layout.PER_LAYER)}
     pool = bench_pool_fast_path(backend, args.pairs)
     mgr = bench_manager(args.backend, args.pairs // 3)
@@ -253,6 +259,26 @@ def main() -> None:
             f"{r['grow_ms']:.2f} / {r['grow_min_ms']:.2f} | {r['shrink_ms']:.2f} / {r['shrink_min_ms']:.2f} | "
             f"{r['destroy_ms']:.1f} |"
         )
+    lines += [
+        "",
+        "Steps inside one grow (map.*) and one shrink (unmap.*) of 1 GiB, from the allocator's counters:",
+        "",
+        "| layout | step | ms | calls |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    for lay, r in layouts.items():
+        for step, (ms, n) in sorted(r["phases"].items()):
+            lines.append(f"| {lay.value} | {step} | {ms:.3f} | {n} |")
+    if breakdown:
+        lines += [
+            "",
+            f"## Zero-page breakdown ({args.breakdown_units} units of 2 MiB, timed in C++; µs)",
+            "",
+            "| experiment | p50 | p99 | sum | n |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for key, v in breakdown.items():
+            lines.append(f"| {key} | {pct(v, 0.5):.2f} | {pct(v, 0.99):.2f} | {sum(v):.1f} | {len(v)} |")
     lines += [
         "",
         "## Block allocation fast path (from Python, one live block keeps its page)",

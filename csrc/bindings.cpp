@@ -13,6 +13,7 @@ size_t host_resident_bytes(Backend& b);
 void stop_all_prealloc_threads() noexcept;
 void bind_allocators(pybind11::module_& m);
 std::map<std::string, std::vector<double>> bench_driver_calls(Backend& b, int64_t num_pages, size_t page_bytes);
+std::map<std::string, std::vector<double>> bench_breakdown(Backend& b, int64_t num_units, size_t unit);
 }  // namespace kvc
 
 namespace {
@@ -166,6 +167,13 @@ PYBIND11_MODULE(_vmm, m) {
     return bench_driver_calls(*b, num_pages, pb);
   }, py::arg("backend"), py::arg("num_pages"), py::arg("page_bytes"),
         "Per-call microseconds of reserve, create, map, set_access, unmap, release (and batched variants).");
+
+  m.def("bench_breakdown", [](std::shared_ptr<Backend> b, int64_t num_units, int64_t unit) {
+    size_t u = as_size(unit, "unit");
+    py::gil_scoped_release rel;
+    return bench_breakdown(*b, num_units, u);
+  }, py::arg("backend"), py::arg("num_units"), py::arg("unit"),
+        "Microseconds of zero-page mapping experiments (same vs distinct handles, chunk sizes, threads...).");
 
   m.def("_stop_all_threads", &stop_all_prealloc_threads, py::call_guard<py::gil_scoped_release>());
   // Prealloc threads must be gone before the interpreter (and the drivers) shut down.

@@ -120,7 +120,10 @@ void bind_allocators(py::module_& m) {
       .def_property_readonly("closed", &PageAllocator::closed)
       .def_property_readonly("backend", &PageAllocator::backend)
       .def_property_readonly("tensors", &PageAllocator::tensors)
-      .def("obtainable_pages", &PageAllocator::obtainable_pages);
+      .def("obtainable_pages", &PageAllocator::obtainable_pages)
+      .def("phase_times", &PageAllocator::phase_times, py::call_guard<py::gil_scoped_release>(),
+           "{step: (total µs, calls)} of the map/unmap steps since creation or reset_phase_times().")
+      .def("reset_phase_times", &PageAllocator::reset_phase_times, py::call_guard<py::gil_scoped_release>());
 
   py::class_<BlockPool, std::shared_ptr<BlockPool>>(m, "BlockPool")
       .def(py::init<std::shared_ptr<PageAllocator>, int64_t, int64_t>(), py::arg("page_allocator"),

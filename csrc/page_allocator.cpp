@@ -9,6 +9,9 @@ namespace {
 std::mutex g_live_mu;
 std::set<PageAllocator*> g_live;  // for stopping prealloc threads at interpreter exit
 
+using Clock = std::chrono::steady_clock;
+double us_since(Clock::time_point t0) { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); }
+
 using Runs = std::vector<std::pair<int64_t, int64_t>>;  // [first, last] of consecutive page indices
 
 Runs runs_of(const std::vector<int64_t>& sorted) {
@@ -145,6 +148,7 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
   if (pages.empty()) return;
   // 1. physical memory
   size_t created = 0;
+  auto t_create = Clock::now();
   try {
     for (; created < pages.size(); ++created) {
       auto& hs = handles_[pages[created]];
@@ -161,6 +165,7 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
     }
     throw;
   }
+  add_phase("map.create", us_since(t_create), static_cast<int64_t>(created * (one_handle_ ? 1 : regions_.size())));
   // 2. per region and run of consecutive pages: drop the zero page, map the slices, one access call
   Runs runs = runs_of(pages);
   struct Done {
@@ -181,8 +186,11 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
         size_t off = r.base + static_cast<size_t>(a) * r.size;
         size_t len = static_cast<size_t>(b - a + 1) * r.size;
         done.push_back({ri, ui, -1, false});
+        auto t0 = Clock::now();
         t.unmap_zero(off, len);
+        add_phase("map.unmap_zero", us_since(t0));
         done.back().mapped = 0;
+        t0 = Clock::now();
         for (int64_t p = a; p <= b; ++p) {
           const auto& hs = handles_[p];
           uintptr_t at = t.ptr() + r.base + static_cast<size_t>(p) * r.size;
@@ -193,7 +201,10 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
           }
           done.back().mapped++;
         }
+        add_phase("map.map", us_since(t0), b - a + 1);
+        t0 = Clock::now();
         backend_->set_access(t.ptr() + off, len);
+        add_phase("map.set_access", us_since(t0));
         done.back().access = true;
       }
     }
@@ -230,15 +241,35 @@ void PageAllocator::unmap_locked(const std::vector<int64_t>& pages) {
     for (auto [a, b] : runs) {
       size_t off = r.base + static_cast<size_t>(a) * r.size;
       size_t len = static_cast<size_t>(b - a + 1) * r.size;
+      auto t0 = Clock::now();
       backend_->unmap_units(t.ptr() + off, len, r.size);
+      add_phase("unmap.unmap", us_since(t0));
+      t0 = Clock::now();
       t.map_zero(off, len);
+      add_phase("unmap.map_zero", us_since(t0), b - a + 1);
+      t0 = Clock::now();
       backend_->set_access(t.ptr() + off, len);
+      add_phase("unmap.set_access", us_since(t0));
     }
   }
+  auto t0 = Clock::now();
+  int64_t released = 0;
   for (int64_t p : pages) {
     for (Handle h : handles_[p]) backend_->release(h);
+    released += static_cast<int64_t>(handles_[p].size());
     handles_[p].clear();
   }
+  add_phase("unmap.release", us_since(t0), released);
+}
+
+std::map<std::string, std::pair<double, int64_t>> PageAllocator::phase_times() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return phases_;
+}
+
+void PageAllocator::reset_phase_times() {
+  std::lock_guard<std::mutex> lk(mu_);
+  phases_.clear();
 }
 
 std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {

@@ -5,9 +5,11 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -55,6 +57,9 @@ class PageAllocator {
   void refresh_mem_info() noexcept;
   const std::shared_ptr<Backend>& backend() const { return backend_; }
   const std::vector<std::shared_ptr<VirtualTensor>>& tensors() const { return tensors_; }
+  // Time spent in each step of mapping and unmapping (µs, calls), for the benchmark.
+  std::map<std::string, std::pair<double, int64_t>> phase_times();
+  void reset_phase_times();
 
  private:
   enum : uint8_t { kFree = 0, kReserved = 1, kInUse = 2 };
@@ -64,6 +69,11 @@ class PageAllocator {
   void shrink_reserved_locked(int64_t keep);
   void publish_locked();
   void thread_main();
+  void add_phase(const char* name, double us, int64_t calls = 1) {
+    auto& e = phases_[name];
+    e.first += us;
+    e.second += calls;
+  }
 
   std::shared_ptr<Backend> backend_;
   std::vector<std::shared_ptr<VirtualTensor>> tensors_;
@@ -86,6 +96,7 @@ class PageAllocator {
   std::atomic<int64_t> phys_free_pages_{0};
   std::atomic<bool> closed_{false};
   std::thread thread_;
+  std::map<std::string, std::pair<double, int64_t>> phases_;  // guarded by mu_
 };
 
 }  // namespace kvc

@@ -71,7 +71,7 @@ def _check(views: list[torch.Tensor], req: Request) -> bool:
 
 
 def run_layout(device: str, contiguous: bool, *, layers: int, heads: int, head_size: int, block_size: int,
-               seed: int, steps: int, quiet: bool) -> Outcome:
+               seed: int, steps: int, quiet: bool, max_mapped_mb: int = 0) -> Outcome:
     from kvcached.integration.vllm import interfaces as vi
     from kvcached.kv_cache_manager import KVCacheManager
 
@@ -88,6 +88,8 @@ def run_layout(device: str, contiguous: bool, *, layers: int, heads: int, head_s
         num_blocks = meta["num_blocks_per_layer"]
         cell = heads * head_size * dtype.itemsize
         mgr = KVCacheManager(num_blocks, block_size, cell, layers, reserve_null_block=False)
+        if max_mapped_mb:  # a GPU's whole memory would make the trace needlessly long
+            mgr.resize(max(1, max_mapped_mb * MiB // mgr.page_group_bytes) * mgr.page_size)
         cap_blocks = mgr.available_size()
         rng = random.Random(seed)
         # sequences long enough to need many pages in total, so the pool must grow and stall
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host-mem-mb", type=int, default=768,
                    help="physical budget of the host backend (KVCACHED_HOST_MEM_LIMIT_MB wins when set)")
+    p.add_argument("--max-mapped-mb", type=int, default=None,
+                   help="cap on mapped KV memory (default: 4096 on a GPU, the host budget on cpu)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -203,9 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     # a small prealloc reserve, so freed pages are unmapped and the table shows the pool shrink
     os.environ.setdefault("KVCACHED_MIN_RESERVED_PAGES", "0")
     os.environ.setdefault("KVCACHED_MAX_RESERVED_PAGES", "1")
+    cap = args.max_mapped_mb if args.max_mapped_mb is not None else (0 if device == "cpu" else 4096)
     print(f"kvcached demo on {device} (torch {torch.__version__})")
     outcomes = [run_layout(device, contiguous, layers=args.layers, heads=args.heads, head_size=args.head_size,
-                           block_size=args.block_size, seed=args.seed, steps=args.steps, quiet=args.quiet)
+                           block_size=args.block_size, seed=args.seed, steps=args.steps, quiet=args.quiet,
+                           max_mapped_mb=cap)
                 for contiguous in (True, False)]
     ok = all(o.ok for o in outcomes)
     for o in outcomes:

@@ -103,6 +103,7 @@ class KVCacheManager:
         self._allocator: Any = None
         self._closed = False
         self.null_block: list[int] | None = None
+        self.device_total = 0
         self._runtime = rt
         rt.managers.add(self)
         if vmm_ops.kv_tensors_created(group_id):
@@ -157,6 +158,7 @@ class KVCacheManager:
             self._allocator = allocator
             self._pool = vmm_ops.BlockPool(allocator, self.blocks_per_page, self.num_blocks)
         total = int(self._runtime.backend.mem_info()[1])
+        self.device_total = total
         self._set_limit("utilization", int(self._util * total) // self.page_group_bytes)
         if self.reserve_null_block:
             null = self._pool.alloc(1)
@@ -177,6 +179,8 @@ class KVCacheManager:
     def _set_limit(self, source: str, pages: int | None) -> bool:
         """Cap mapped pages at the smallest of every source's cap (utilization, resize, kvctl)."""
         with self._limit_lock:
+            if self._allocator is None:  # closed meanwhile (the monitor thread may race a close)
+                return False
             if pages is None:
                 self._limits.pop(source, None)
             else:
@@ -225,6 +229,8 @@ class KVCacheManager:
         pool.free(indices)
 
     def _check_freeable(self, indices: Sequence[int]) -> None:
+        if not hasattr(indices, "__iter__"):
+            raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
         if self.null_block is not None and 0 in indices:
             raise ValueError("block 0 is the null block reserved for padding; it cannot be freed.")
         if self._reserved:

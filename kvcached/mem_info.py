@@ -236,7 +236,7 @@ class Publisher:
             prealloc += reserved * m.page_group_bytes
             capacity += m.num_pages * m.page_group_bytes
             rt = m._runtime
-            total = int(rt.backend.mem_info()[1])
+            total = m.device_total  # read once at start: no driver call from this thread
             layout, device = rt.layout.value, rt.device
         return used, prealloc, capacity, total, layout, device
 

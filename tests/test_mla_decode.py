@@ -114,3 +114,16 @@ def test_mla_custom_op_fake():
         out = torch.empty(2, 16, 512, dtype=torch.bfloat16)
         torch.ops.kvcached.paged_mla_decode(q, c, torch.zeros(2, 4, dtype=torch.int32),
                                             torch.ones(2, dtype=torch.int32), out, torch.ones(1), 0.1, 512, 2)
+
+
+def test_mla_override_knobs(device):
+    from kvcached.kernels import mla_decode as m
+
+    with pytest.raises(ValueError, match="unknown MLA knob"):
+        with m.override(nope=1):
+            pass
+    with m.override(BLOCK_N=16, max_splits=2):
+        assert m.launch_config(16, False)["BLOCK_N"] == 16
+        assert m.choose_num_splits(1, 16, 10**6, torch.device("cpu"), 16) == 2
+        run_case(Layout.CONTIGUOUS, torch.bfloat16, 16, [50, 9], None, device, seed=11)
+    assert m.launch_config(16, False)["BLOCK_N"] == 32

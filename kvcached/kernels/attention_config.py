@@ -26,6 +26,10 @@ class DecodeConfig:
     num_splits: int
     waves_per_eu: int = 0  # HIP only; 0 = leave to the compiler
 
+    @property
+    def options(self) -> dict[str, int]:
+        return launch_options(self.num_warps, self.num_stages, self.waves_per_eu)
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -34,6 +38,10 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     waves_per_eu: int = 0
+
+    @property
+    def options(self) -> dict[str, int]:
+        return launch_options(self.num_warps, self.num_stages, self.waves_per_eu)
 
 
 _OVERRIDES: dict[str, int] = {}
@@ -103,6 +111,14 @@ def _decode_base(head_pad: int, block_h: int, kv_itemsize: int, hip: bool) -> De
 def decode_config(
     num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int, device_index: int
 ) -> DecodeConfig:
+    if _OVERRIDES:
+        return _decode_config(num_seqs, num_kv_heads, head_pad, block_h, kv_itemsize, max_seq_len, device_index)
+    return _decode_cached(num_seqs, num_kv_heads, head_pad, block_h, kv_itemsize, max_seq_len, device_index)
+
+
+def _decode_config(
+    num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int, device_index: int
+) -> DecodeConfig:
     hip = is_hip()
     base = _decode_base(head_pad, block_h, kv_itemsize, hip)
     o = _OVERRIDES
@@ -139,6 +155,12 @@ def _prefill_base(head_pad: int, kv_itemsize: int, hip: bool) -> PrefillConfig:
 
 
 def prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int) -> PrefillConfig:
+    if _OVERRIDES:
+        return _prefill_config(head_pad, kv_itemsize, max_query_len)
+    return _prefill_cached(head_pad, kv_itemsize, max_query_len)
+
+
+def _prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int) -> PrefillConfig:
     base = _prefill_base(head_pad, kv_itemsize, is_hip())
     o = _OVERRIDES
     block_m = o.get("prefill_block_m", base.block_m)
@@ -162,3 +184,8 @@ def launch_options(num_warps: int, num_stages: int, waves_per_eu: int) -> dict[s
     if is_hip() and waves_per_eu and not interpreting():
         opts["waves_per_eu"] = waves_per_eu
     return opts
+
+
+# Host time matters at batch 1 (the whole decode is ~10 us on the GPU): one dict lookup per call.
+_decode_cached = functools.lru_cache(maxsize=4096)(_decode_config)
+_prefill_cached = functools.lru_cache(maxsize=1024)(_prefill_config)

@@ -29,8 +29,7 @@ def decode_kernel(
     sinks_ptr,
     k_scale_ptr,
     v_scale_ptr,
-    part_out_ptr,
-    part_ml_ptr,
+    part_ptr,
     sm_scale,
     softcap,
     window,
@@ -123,10 +122,12 @@ def decode_kernel(
         acc = acc * tl.load(v_scale_ptr)
 
     if SPLIT:
-        # part_out [num_seqs, num_heads, num_splits, HEAD_PAD]; part_ml [num_seqs, num_heads, num_splits, 2]
+        # part_ptr: outputs [num_seqs, num_heads, num_splits, HEAD_PAD], then (max, sum) [..., 2]
         num_heads = tl.num_programs(1) * GROUP
+        rows_total = tl.num_programs(0).to(tl.int64) * num_heads * num_splits
+        part_ml_ptr = part_ptr + rows_total * HEAD_PAD
         row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_PAD + d[None, :], acc, mask=h_mask[:, None])
+        tl.store(part_ptr + row[:, None] * HEAD_PAD + d[None, :], acc, mask=h_mask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_mask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_mask)
     else:
@@ -144,8 +145,7 @@ def reduce_kernel(
     out_ptr,
     qsl_ptr,
     sinks_ptr,
-    part_out_ptr,
-    part_ml_ptr,
+    part_ptr,
     num_splits,
     stride_ot,
     stride_oh,
@@ -160,6 +160,7 @@ def reduce_kernel(
     if tl.load(qsl_ptr + seq + 1) - q_start != 1:
         return
     num_heads = tl.num_programs(1)
+    part_ml_ptr = part_ptr + tl.num_programs(0).to(tl.int64) * num_heads * num_splits * HEAD_PAD
     s = tl.arange(0, SPLITS_PAD)
     s_mask = s < num_splits
     row = (seq.to(tl.int64) * num_heads + head) * num_splits + s
@@ -176,7 +177,7 @@ def reduce_kernel(
     l_tot = tl.where(l_tot == 0.0, 1.0, l_tot)
     d = tl.arange(0, HEAD_PAD)
     d_mask = d < HEAD_SIZE
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + d[None, :], mask=s_mask[:, None], other=0.0)
+    parts = tl.load(part_ptr + row[:, None] * HEAD_PAD + d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(parts * w[:, None], 0) / l_tot
     tl.store(
         out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,

@@ -15,7 +15,9 @@ split count comes from shapes (and the optional ``max_seq_len``), never from
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -139,6 +141,28 @@ def _num_units(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Tuning knobs, set only through override() (for sweeps on a GPU): BLOCK_H, BLOCK_N, num_warps,
+# num_stages, waves_per_eu, programs_per_unit, min_tokens_per_split, max_splits.
+_OVERRIDES: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def override(**knobs: int) -> Iterator[None]:
+    """Temporarily replace launch heuristics, e.g. ``with override(BLOCK_N=64, programs_per_unit=8): ...``."""
+    known = {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu", "programs_per_unit",
+             "min_tokens_per_split", "max_splits"}
+    unknown = set(knobs) - known
+    if unknown:
+        raise ValueError(f"unknown MLA knob(s) {sorted(unknown)}; known: {sorted(known)}.")
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(knobs)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
 def launch_config(num_heads: int, hip: bool) -> dict[str, int]:
     """Heads per program, KV tile, warps and stages (per vendor: HIP has 64 KiB of LDS on gfx942)."""
     block_h = 16 if num_heads <= 16 else 32
@@ -147,19 +171,27 @@ def launch_config(num_heads: int, hip: bool) -> dict[str, int]:
            "num_stages": 2}
     if hip:
         cfg["waves_per_eu"] = 1
+    for key in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu"):
+        if key in _OVERRIDES:
+            cfg[key] = _OVERRIDES[key]
     return cfg
 
 
 def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: torch.device,
                       block_h: int) -> int:
-    """Enough (seq, head group, split) programs to fill every compute unit twice, each split >= 256 tokens."""
+    """Enough (seq, head group, split) programs to give every compute unit several, each split >= 128 tokens.
+
+    On the H200 (first measurement) one MLA program fills an SM's registers (sm90: 162 regs x 8 warps),
+    so the grid, not occupancy, must hide memory latency.
+    """
     if device.type != "cuda":
         units = 2  # interpreter: small, but still exercises the split path
     else:
         units = _num_units(device.index if device.index is not None else torch.cuda.current_device())
     programs = num_seqs * triton.cdiv(num_heads, block_h)
-    want = triton.cdiv(2 * units, max(programs, 1))
-    return max(1, min(want, triton.cdiv(max(max_seq_len, 1), 256), 64))
+    want = triton.cdiv(_OVERRIDES.get("programs_per_unit", 4) * units, max(programs, 1))
+    by_len = triton.cdiv(max(max_seq_len, 1), _OVERRIDES.get("min_tokens_per_split", 128))
+    return max(1, min(want, by_len, _OVERRIDES.get("max_splits", 128)))
 
 
 @torch.library.custom_op("kvcached::paged_mla_decode", mutates_args=("out",))

@@ -81,76 +81,81 @@ def _as_scale(name: str, value: Scale, device: torch.device, needed: bool) -> to
 
 def _dummy(device: torch.device) -> torch.Tensor:
     """A float32 stand-in for pointer arguments a specialisation never reads."""
-    key = str(device)
-    t = _DUMMIES.get(key)
+    t = _DUMMIES.get(device)
     if t is None:
-        t = _DUMMIES[key] = torch.zeros(1, dtype=torch.float32, device=device)
+        t = _DUMMIES[device] = torch.zeros(1, dtype=torch.float32, device=device)
     return t
 
 
 def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len,
               scale, causal, sliding_window, softcap, alibi_slopes, sinks, out) -> None:
+    # Runs on every call, ahead of a ~10 us kernel: each shape/stride/device is read once.
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
                     ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
     dev = query.device
-    if query.dim() != 3:
-        _fail(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}.")
+    q_shape = query.shape
+    if len(q_shape) != 3:
+        _fail(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(q_shape)}.")
     if query.dtype not in QUERY_DTYPES:
         _fail(f"query dtype {query.dtype} is not supported; use float16 or bfloat16.")
-    num_tokens, num_heads, head_size = query.shape
+    num_tokens, num_heads, head_size = q_shape
     if head_size not in HEAD_SIZES:
         _fail(f"head size {head_size} is not supported; supported: {HEAD_SIZES}.")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4:
-            _fail(f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got {tuple(c.shape)}.")
+    k_shape = k_cache.shape
+    for name, c, shape in (("k_cache", k_cache, k_shape), ("v_cache", v_cache, v_cache.shape)):
+        if len(shape) != 4:
+            _fail(f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got {tuple(shape)}.")
         if c.device != dev:
             _fail(f"{name} is on {c.device}, the query on {dev}; all tensors must share one device.")
         if c.stride(3) != 1:
             _fail(f"{name}'s head_size dimension must have stride 1 (got {c.stride(3)}); other strides are free.")
-    if k_cache.shape != v_cache.shape:
-        _fail(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape.")
-    if k_cache.dtype != v_cache.dtype:
-        _fail(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ in dtype.")
-    _, block_size, num_kv_heads, kv_head_size = k_cache.shape
+    if k_shape != v_cache.shape:
+        _fail(f"k_cache {tuple(k_shape)} and v_cache {tuple(v_cache.shape)} differ in shape.")
+    kv_dtype = k_cache.dtype
+    if kv_dtype != v_cache.dtype:
+        _fail(f"k_cache ({kv_dtype}) and v_cache ({v_cache.dtype}) differ in dtype.")
+    _, block_size, num_kv_heads, kv_head_size = k_shape
     if kv_head_size != head_size:
         _fail(f"cache head size {kv_head_size} differs from the query's {head_size}.")
     if block_size not in BLOCK_SIZES:
         _fail(f"block size {block_size} is not supported; supported: {BLOCK_SIZES}.")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         _fail(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}.")
-    if k_cache.dtype != query.dtype and k_cache.dtype not in _fp8_kv_dtypes(dev):
+    if kv_dtype != query.dtype and kv_dtype not in _fp8_kv_dtypes(dev):
         names = ", ".join(str(d) for d in _fp8_kv_dtypes(dev)) or "none on this GPU"
-        _fail(f"KV cache dtype {k_cache.dtype} must equal the query's ({query.dtype}) or be this GPU's fp8 "
+        _fail(f"KV cache dtype {kv_dtype} must equal the query's ({query.dtype}) or be this GPU's fp8 "
               f"({names}).")
     if query.stride(2) != 1:
         _fail("query's head_size dimension must have stride 1; call .contiguous() on it.")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
+    bt_shape = block_table.shape
+    if block_table.dtype != torch.int32 or len(bt_shape) != 2 or block_table.stride(1) != 1:
         _fail(f"block_table must be a 2-D int32 tensor with unit column stride, got {block_table.dtype} "
-              f"{tuple(block_table.shape)}.")
-    num_seqs = block_table.shape[0]
+              f"{tuple(bt_shape)}.")
+    num_seqs = bt_shape[0]
     if num_seqs > 65535:  # the prefill grid's third dimension
         _fail(f"{num_seqs} sequences in one call; at most 65535 are supported, split the batch.")
-    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] != num_seqs:
-        _fail(f"seq_lens must be int32 [num_seqs={num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}.")
-    if (query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1
-            or query_start_loc.shape[0] != num_seqs + 1):
+    sl_shape = seq_lens.shape
+    if seq_lens.dtype != torch.int32 or len(sl_shape) != 1 or sl_shape[0] != num_seqs:
+        _fail(f"seq_lens must be int32 [num_seqs={num_seqs}], got {seq_lens.dtype} {tuple(sl_shape)}.")
+    qsl_shape = query_start_loc.shape
+    if query_start_loc.dtype != torch.int32 or len(qsl_shape) != 1 or qsl_shape[0] != num_seqs + 1:
         _fail(f"query_start_loc must be int32 [num_seqs + 1 = {num_seqs + 1}], got {query_start_loc.dtype} "
-              f"{tuple(query_start_loc.shape)}.")
+              f"{tuple(qsl_shape)}.")
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t.device != dev:
             _fail(f"{name} is on {t.device}, the query on {dev}; all tensors must share one device.")
-        if t.dim() == 1 and t.stride(0) != 1:
-            _fail(f"{name} must be contiguous.")
+    if seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
+        _fail("seq_lens and query_start_loc must be contiguous.")
     for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             _fail(f"{name} must be a positive int (host-side bound used to size the grid), got {v!r}.")
     if max_query_len > max_seq_len:
         _fail(f"max_query_len {max_query_len} exceeds max_seq_len {max_seq_len}; seq_lens include the new tokens.")
-    if block_table.shape[1] * block_size < max_seq_len:
-        _fail(f"block_table has {block_table.shape[1]} columns x block size {block_size} = "
-              f"{block_table.shape[1] * block_size} tokens, fewer than max_seq_len {max_seq_len}.")
+    if bt_shape[1] * block_size < max_seq_len:
+        _fail(f"block_table has {bt_shape[1]} columns x block size {block_size} = "
+              f"{bt_shape[1] * block_size} tokens, fewer than max_seq_len {max_seq_len}.")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         _fail(f"scale must be a finite float or None, got {scale!r}.")
@@ -167,8 +172,8 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
     if out is not None:
         if not isinstance(out, torch.Tensor):
             _fail(f"out must be a tensor or None, got {type(out).__name__}.")
-        if out.shape != query.shape or out.dtype != query.dtype or out.device != dev:
-            _fail(f"out must match the query ({query.dtype} {tuple(query.shape)} on {dev}), got "
+        if out.shape != q_shape or out.dtype != query.dtype or out.device != dev:
+            _fail(f"out must match the query ({query.dtype} {tuple(q_shape)} on {dev}), got "
                   f"{out.dtype} {tuple(out.shape)} on {out.device}.")
         if out.stride(2) != 1:
             _fail("out's head_size dimension must have stride 1.")
@@ -177,9 +182,9 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
 def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len, max_seq_len,
             scale, causal, sliding_window, softcap, alibi_slopes, sinks, k_scale, v_scale) -> None:
     num_tokens, num_heads, head_size = query.shape
-    if num_tokens == 0 or block_table.shape[0] == 0:
-        return
     num_seqs = block_table.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     head_pad = triton.next_power_of_2(head_size)
@@ -193,31 +198,30 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     interp = interpreting()
     flags = dict(SLIDING=sliding_window > 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
                  SINKS=sinks is not None, FP8_KV=fp8, INTERP=interp)
-    q_strides = (query.stride(0), query.stride(1))
-    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    o_strides = (out.stride(0), out.stride(1))
+    q_strides = query.stride()[:2]
+    ks_, vs_ = k_cache.stride(), v_cache.stride()
+    kv_strides = (ks_[0], ks_[1], ks_[2], vs_[0], vs_[1], vs_[2])
+    o_strides = out.stride()[:2]
     dev_index = dev.index if dev.type == "cuda" and dev.index is not None else 0
 
     block_h = max(16, triton.next_power_of_2(group))
     dc = cfg.decode_config(num_seqs, num_kv_heads, head_pad, block_h, k_cache.element_size(), max_seq_len, dev_index)
     split = dc.num_splits > 1
     if split:
-        part_out = torch.empty(num_seqs * num_heads * dc.num_splits * head_pad, dtype=torch.float32, device=dev)
-        part_ml = torch.empty(num_seqs * num_heads * dc.num_splits * 2, dtype=torch.float32, device=dev)
+        # one workspace: [num_seqs, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs
+        part = torch.empty(num_seqs * num_heads * dc.num_splits * (head_pad + 2), dtype=torch.float32, device=dev)
     else:
-        part_out = part_ml = dummy
+        part = dummy
     decode_kernel[(num_seqs, num_kv_heads, dc.num_splits)](
         query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
-        part_out, part_ml, scale, softcap, sliding_window, dc.num_splits,
+        part, scale, softcap, sliding_window, dc.num_splits,
         *q_strides, *kv_strides, *o_strides, block_table.stride(0),
         GROUP=group, BLOCK_H=block_h, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=dc.block_n, SPLIT=split, **flags,
-        **cfg.launch_options(dc.num_warps, dc.num_stages, dc.waves_per_eu),
+        BLOCK_N=dc.block_n, SPLIT=split, **flags, **dc.options,
     )
     if split:
         reduce_kernel[(num_seqs, num_heads)](
-            out, query_start_loc, sink_t, part_out, part_ml, dc.num_splits, *o_strides,
+            out, query_start_loc, sink_t, part, dc.num_splits, *o_strides,
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=max(2, triton.next_power_of_2(dc.num_splits)),
             SINKS=sinks is not None, num_warps=4, num_stages=1,
         )
@@ -229,8 +233,7 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             scale, softcap, sliding_window,
             *q_strides, *kv_strides, *o_strides, block_table.stride(0),
             GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-            BLOCK_M=pc.block_m, BLOCK_N=pc.block_n, SKIP_DECODE=True, CAUSAL=causal, **flags,
-            **cfg.launch_options(pc.num_warps, pc.num_stages, pc.waves_per_eu),
+            BLOCK_M=pc.block_m, BLOCK_N=pc.block_n, SKIP_DECODE=True, CAUSAL=causal, **flags, **pc.options,
         )
 
 
@@ -264,6 +267,20 @@ def _paged_attention_fake(query, k_cache, v_cache, block_table, seq_lens, query_
                           max_seq_len, scale, causal, sliding_window, softcap, alibi_slopes, sinks, k_scale,
                           v_scale) -> None:
     return None
+
+
+_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _direct(query: torch.Tensor) -> bool:
+    """True when a plain eager call can skip the custom op's dispatcher (nothing would observe it)."""
+    return (
+        _dispatch_depth is not None
+        and type(query) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and _dispatch_depth() == 0
+        and query.device.type != "meta"
+    )
 
 
 def paged_attention(
@@ -304,6 +321,14 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
+    # The custom op's dispatch (schema defaults, ADInplaceOrView, autograd) costs more host time
+    # than a whole batch-1 decode on the GPU; plain eager calls launch directly. Under
+    # torch.compile, a dispatch mode (FakeTensor, functionalization...) or on a tensor subclass,
+    # the op runs so that those machineries see it.
+    if _direct(query):
+        _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len, max_seq_len,
+                scale, bool(causal), int(sliding_window or 0), float(softcap or 0.0), alibi_slopes, sinks, ks, vs)
+        return out
     paged_attention_op(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len,
                        max_seq_len, scale, bool(causal), int(sliding_window or 0), float(softcap or 0.0),
                        alibi_slopes, sinks, ks, vs)
@@ -352,7 +377,7 @@ def _variants_for(target: str, qdt: torch.dtype, kdt: torch.dtype, head: int, bl
     dbase = cfg._decode_base.__wrapped__(head_pad, block_h, 1 if fp8 else 2, hip)
     for split in (False, True):
         sig = _common_sig(qt, kt)
-        sig.update({"part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "sm_scale": "fp32", "softcap": "fp32",
+        sig.update({"part_ptr": "*fp32", "sm_scale": "fp32", "softcap": "fp32",
                     "window": "i32", "num_splits": "i32"})
         sig.update({s: "i32" for s in _STRIDES})
         const = {"GROUP": group, "BLOCK_H": block_h, "HEAD_SIZE": head, "HEAD_PAD": head_pad, "BLOCK_SIZE": block,
@@ -376,8 +401,8 @@ def _variants_for(target: str, qdt: torch.dtype, kdt: torch.dtype, head: int, bl
 
 def _reduce_variants(qdt: torch.dtype, head: int, sinks: bool) -> CompileVariant:
     qt = _TRITON_DTYPE[qdt]
-    sig = {"out_ptr": f"*{qt}", "qsl_ptr": "*i32", "sinks_ptr": "*fp32", "part_out_ptr": "*fp32",
-           "part_ml_ptr": "*fp32", "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"}
+    sig = {"out_ptr": f"*{qt}", "qsl_ptr": "*i32", "sinks_ptr": "*fp32", "part_ptr": "*fp32", "num_splits": "i32",
+           "stride_ot": "i32", "stride_oh": "i32"}
     const = {"HEAD_SIZE": head, "HEAD_PAD": triton.next_power_of_2(head), "SPLITS_PAD": 32, "SINKS": sinks}
     return CompileVariant(f"attn_reduce[{qt}-d{head}{'-sinks' if sinks else ''}]", reduce_kernel, sig, const,
                           {"num_warps": 4, "num_stages": 1})

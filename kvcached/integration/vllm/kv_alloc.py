@@ -13,7 +13,9 @@ kvcached, only at kvcached's block addresses.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,18 @@ class PoolInfo:
 
 _lock = threading.Lock()
 _pool_info: PoolInfo | None = None
+_plain = threading.local()
+vllm_allocate_kv_cache: Any = None  # vLLM's own allocator, set by ``patches``
+
+
+@contextlib.contextmanager
+def plain_allocation() -> Iterator[None]:
+    """Within this block KV caches come from vLLM's own allocator (a throw-away profiling cache)."""
+    _plain.on = True
+    try:
+        yield
+    finally:
+        _plain.on = False
 
 
 def pool_info() -> PoolInfo:
@@ -111,6 +125,8 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
 
     if not kv_cache_config.kv_cache_tensors:
         return {}
+    if getattr(_plain, "on", False) and vllm_allocate_kv_cache is not None:
+        return vllm_allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)
     from kvcached.integration.vllm.patches import contiguous_layout
 
     ensure_initialized(device, contiguous_layout())

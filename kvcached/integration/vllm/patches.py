@@ -108,7 +108,20 @@ def _patch_worker_side() -> None:
 
     from kvcached.integration.vllm import kv_alloc
 
+    kv_alloc.vllm_allocate_kv_cache = gmr.allocate_kv_cache
     gmr.allocate_kv_cache = kv_alloc.allocate_kv_cache
+
+    # CUDA-graph memory profiling builds a throw-away minimal KV cache: keep vLLM's own for it.
+    runner_cls = gmr.GPUModelRunner
+    minimal = getattr(runner_cls, "_init_minimal_kv_cache_for_profiling", None)
+    if minimal is not None and not getattr(minimal, "_kvcached", False):
+        @functools.wraps(minimal)
+        def init_minimal_kv_cache_for_profiling(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with kv_alloc.plain_allocation():
+                return minimal(self, *args, **kwargs)
+
+        init_minimal_kv_cache_for_profiling._kvcached = True  # type: ignore[attr-defined]
+        runner_cls._init_minimal_kv_cache_for_profiling = init_minimal_kv_cache_for_profiling
 
     # vLLM refuses to start when free device memory is below --gpu-memory-utilization,
     # which is the normal state of a second engine on a shared GPU; KV memory is elastic
@@ -201,6 +214,32 @@ def _patch_scheduler_side() -> None:
     kvm.KVCacheManager.new_step_starts = new_step_starts
 
 
+def _patch_cpu_executor() -> None:
+    """Keep the worker inside the engine-core process on vLLM's CPU build (TP=1).
+
+    The CPU platform switches a single worker to the multiprocess executor, which
+    would put the KV tensors in another process than the scheduler's block pool.
+    """
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except ImportError:
+        return
+    original = CpuPlatform.check_and_update_config
+    if getattr(original, "_kvcached", False):
+        return
+
+    @functools.wraps(original)
+    def check_and_update_config(vllm_config: Any) -> None:
+        original(vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.world_size == 1 and parallel.distributed_executor_backend == "mp":
+            logger.info("kvcached: running the CPU worker in the engine-core process (uniprocess executor)")
+            parallel.distributed_executor_backend = "uni"
+
+    check_and_update_config._kvcached = True  # type: ignore[attr-defined]
+    CpuPlatform.check_and_update_config = staticmethod(check_and_update_config)
+
+
 def _shutdown_at_exit() -> None:
     from kvcached.integration.vllm import interfaces
 
@@ -218,6 +257,7 @@ def apply() -> None:
             return
         attention_backend_choice()  # a bad value fails now, not deep inside the engine
         _patch_attention_selection()
+        _patch_cpu_executor()
         _patch_worker_side()
         _patch_scheduler_side()
         atexit.register(_shutdown_at_exit)
