@@ -74,16 +74,39 @@ def test_shortfall_is_a_scheduling_miss(make_pool) -> None:
     pool = make_pool()
     assert pool.kv.resize(2 * (2 << 20)) is True  # cap at 2 pages: 63 blocks besides the null block
     held = pool.get_new_blocks(60)
+    pool.begin_allocation()
     pool.expect(10)
     assert pool.get_num_free_blocks() < 10  # allocate_slots then returns None: the request waits
-    pool.release_unused()
+    pool.end_allocation()
+    pool.begin_allocation()
     pool.expect(3)
     assert pool.get_num_free_blocks() >= 3
     got = pool.get_new_blocks(3)  # what the check promised is there
+    pool.end_allocation()
     assert len(got) == 3
-    pool.release_unused()
     pool.free_blocks(held + got)
     assert _pages(pool) == 1
+
+
+def test_full_pool_recycles_cached_blocks(make_pool) -> None:
+    pool = make_pool()
+    assert pool.kv.resize(2 * (2 << 20)) is True  # 63 usable blocks
+    live = pool.get_new_blocks(50)
+    cached = pool.get_new_blocks(13)
+    _cache(pool, cached)
+    pool.free_blocks(cached)  # kvcached is now full: 50 live + 13 cached
+    assert pool.kv.available_size() == 0
+    pool.begin_allocation()
+    pool.expect(5)
+    assert pool.get_num_free_blocks() >= 5  # the cached blocks count as free, as in vLLM
+    got = pool.get_new_blocks(5)  # the 5 least recently used cached blocks, their hashes dropped
+    pool.end_allocation()
+    assert [b.block_id for b in got] == [b.block_id for b in cached[:5]]
+    assert all(b.ref_cnt == 1 and b.block_hash is None for b in got)
+    assert pool.free_block_queue.num_free_blocks == 8
+    pool.expect(9)
+    assert pool.get_num_free_blocks() < 9
+    pool.free_blocks(live + got)
 
 
 def test_cached_blocks_stay_mapped_and_are_reused(make_pool) -> None:

@@ -59,6 +59,7 @@ class KVCachedBlockPool(BlockPool):
         self._page_count: Counter[int] = Counter({0: 1})  # blocks held from kvcached, per page
         self._held = 0  # blocks reserved in kvcached for the allocation the scheduler just checked
         self._pending_need: int | None = None
+        self._allocating = False
         self.max_cached_blocks = self._max_cached_blocks(info.block_size)
 
     @staticmethod
@@ -80,44 +81,59 @@ class KVCachedBlockPool(BlockPool):
         return self.kv.available_size() + self.free_block_queue.num_free_blocks
 
     def _reserve(self, need: int) -> bool:
-        """Hold ``need`` blocks in kvcached (evicting cached blocks if that is what it takes)."""
-        short = need - self._held
+        """Make sure ``need`` blocks can be handed out: held in kvcached or cached (evictable) here.
+
+        Nothing is evicted now: the scheduler may be about to reuse those very cached
+        blocks as prefix hits. ``get_new_blocks`` recycles cached blocks it needs.
+        """
+        short = need - self._held - self.free_block_queue.num_free_blocks
         if short <= 0:
             return True
         if self.kv.try_to_reserve(short):
             self._held += short
             return True
-        if self._evict(short) and self.kv.try_to_reserve(short):
-            self._held += short
-            return True
         return False
 
-    def release_unused(self) -> None:
-        """Give back blocks reserved for a check whose allocation did not use them."""
+    def begin_allocation(self) -> None:
+        self._allocating = True
+
+    def end_allocation(self) -> None:
+        """After ``allocate_slots``: give back unused reservations, apply the cache bound."""
+        self._allocating = False
         if self._held:
             self._held = 0
             self.kv.free_reserved()
+        self._bound_cache()
+
+    def _bound_cache(self) -> None:
+        excess = self.free_block_queue.num_free_blocks - self.max_cached_blocks
+        if excess > 0:
+            self._evict(excess)
 
     # -- allocation --------------------------------------------------------
-    def _take(self, n: int) -> list[int]:
+    def _take(self, n: int) -> list[KVCacheBlock]:
+        """``n`` blocks: from kvcached, or by recycling least recently used cached blocks (as vLLM does)."""
         ids = self.kv.alloc(n)
-        if ids is None and self._evict(n):
-            ids = self.kv.alloc(n)
+        recycled: list[KVCacheBlock] = []
         if ids is None:
-            raise KVCachePoolExhausted(
-                f"kvcached could not provide {n} KV blocks that the scheduler had checked for; free memory, "
-                "raise the limit (kvctl limit) or lower the load."
-            )
-        self._held = max(0, self._held - n)
+            reuse = min(n, self.free_block_queue.num_free_blocks)
+            ids = self.kv.alloc(n - reuse) if n > reuse else []
+            if ids is None:
+                raise KVCachePoolExhausted(
+                    f"kvcached could not provide {n} KV blocks that the scheduler had checked for; free memory, "
+                    "raise the limit (kvctl limit) or lower the load."
+                )
+            recycled = self.free_block_queue.popleft_n(reuse)  # still mapped: no trip through kvcached
+        self._held = max(0, self._held - len(ids))
         bpp = self.blocks_per_page
         for i in ids:
             self._page_count[i // bpp] += 1
-        return ids
+        return [self.blocks[i] for i in ids] + recycled
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks <= 0:
             return []
-        ret = [self.blocks[i] for i in self._take(num_blocks)]
+        ret = self._take(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(ret)
         for block in ret:
@@ -154,9 +170,8 @@ class KVCachedBlockPool(BlockPool):
                     drop.append(block)
         self._give_back(drop)
         self.free_block_queue.append_n(keep)
-        excess = self.free_block_queue.num_free_blocks - self.max_cached_blocks
-        if excess > 0:
-            self._evict(excess)
+        if not self._allocating:  # inside allocate_slots the scheduler may hold cached hits
+            self._bound_cache()
         for pool, blocks in others.items():
             pool.free_blocks(blocks)
 
@@ -187,7 +202,7 @@ class KVCachedBlockPool(BlockPool):
         return len(chosen)
 
     def shrink_to_limit(self) -> None:
-        """Evict cached blocks while the pool holds more pages than its limit allows (kvctl limit)."""
+        """At a step's start: evict cached blocks while the pool holds more pages than its limit allows."""
         alloc = self.kv.page_allocator
         over = int(alloc.num_in_use) - int(alloc.limit_pages)
         if over > 0 and self.free_block_queue.num_free_blocks:

@@ -193,12 +193,14 @@ def _patch_scheduler_side() -> None:
 
     @functools.wraps(allocate)
     def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = self.block_pool
+        if not isinstance(pool, KVCachedBlockPool):
+            return allocate(self, *args, **kwargs)
+        pool.begin_allocation()
         try:
             return allocate(self, *args, **kwargs)
         finally:
-            pool = self.block_pool
-            if isinstance(pool, KVCachedBlockPool):
-                pool.release_unused()
+            pool.end_allocation()
 
     kvm.KVCacheManager.allocate_slots = allocate_slots
 
