@@ -8,7 +8,7 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 if [ "$T_TESTS" -gt 0 ]; then
   python3 -m pytest -q --collect-only -m gpu $TESTS -p no:cacheprovider 2>/dev/null | grep '::' > /tmp/ids.txt
   echo "collected $(wc -l < /tmp/ids.txt) tests"
-  split -n r/8 /tmp/ids.txt /tmp/shard.
+  split -n r/${SHARDS:-8} /tmp/ids.txt /tmp/shard.
   for f in /tmp/shard.*; do
     timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider -rf --tb=line $(cat $f) > "$OUT/test_$(basename $f).log" 2>&1 &
   done

@@ -70,19 +70,21 @@ def kv_spec(num_blocks: int) -> KVSpec:
                   dtype=torch.bfloat16)
 
 
-def build(backend, geom: KVGeometry, min_res=0, max_res=0, prealloc=False):
+def build(backend, geom: KVGeometry, min_res=0, max_res=0, prealloc=False, zero_chunk=0):
     t0 = time.perf_counter()
-    vts = [_vmm.VirtualTensor(backend, geom.tensor_bytes, geom.unit_bytes) for _ in range(geom.num_tensors)]
+    vts = [_vmm.VirtualTensor(backend, geom.tensor_bytes, geom.unit_bytes, zero_chunk)
+           for _ in range(geom.num_tensors)]
     pa = _vmm.PageAllocator(backend, vts, geom.regions(), geom.num_pages, min_res, max_res, prealloc)
     return vts, pa, (time.perf_counter() - t0) * 1e3
 
 
-def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int) -> dict[str, float]:
+def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int, zero_chunk: int = 0) -> dict[str, float]:
     spec0 = kv_spec(1)
     bytes_per_block = spec0.block_bytes * spec0.num_layers * 2
     num_blocks = max(virtual_bytes // bytes_per_block, 1024)
     geom = KVGeometry(kv_spec(int(num_blocks)), layout, PAGE)
-    vts, pa, create_ms = build(backend, geom)
+    vts, pa, create_ms = build(backend, geom, zero_chunk=zero_chunk)
+    zero_maps = sum(v.num_zero_mappings for v in vts)
     pool = _vmm.BlockPool(pa, geom.blocks_per_page, geom.num_blocks)
     grow_blocks = GiB // bytes_per_block  # 512 blocks = 1 GiB of KV
     grow, shrink = [], []
@@ -97,6 +99,7 @@ def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int) -> dict
         grow.append((t1 - t0) * 1e3)
         shrink.append((t2 - t1) * 1e3)
     phases = {k: (us / reps / 1e3, calls // reps) for k, (us, calls) in pa.phase_times().items()}
+    vts_chunk_mib = vts[0].zero_chunk / MiB
     pa.close()
     t0 = time.perf_counter()
     del pool, pa, vts
@@ -111,6 +114,8 @@ def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int) -> dict
         "shrink_ms": statistics.median(shrink),
         "shrink_min_ms": min(shrink),
         "phases": phases,
+        "zero_maps": zero_maps,
+        "zero_chunk_mib": vts_chunk_mib,
     }
 
 
@@ -187,6 +192,8 @@ def main() -> None:
     ap.add_argument("--virtual-gib", type=float, default=None,
                     help="virtual KV size for the creation time (default: 90%% of device memory; host 16)")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--zero-chunk-mib", type=int, default=64,
+                    help="also time per-layer tensors with zero mappings of up to this size (0: skip)")
     ap.add_argument("--breakdown-units", type=int, default=2048,
                     help="2 MiB units of the zero-page breakdown experiments (0: skip them)")
     ap.add_argument("--pairs", type=int, default=300_000)
@@ -203,7 +210,11 @@ def main() -> None:
 
     calls = _vmm.bench_driver_calls(backend, args.driver_pages, PAGE)
     breakdown = _vmm.bench_breakdown(backend, args.breakdown_units, PAGE) if args.breakdown_units else {}
-    layouts = {lay: bench_layout(backend, lay, virtual, args.reps) for lay in (Layout.CONTIGUOUS, Layout.PER_LAYER)}
+    layouts = {lay.value: bench_layout(backend, lay, virtual, args.reps)
+               for lay in (Layout.CONTIGUOUS, Layout.PER_LAYER)}
+    if args.zero_chunk_mib:
+        layouts[f"per_layer, zero_chunk {args.zero_chunk_mib} MiB"] = bench_layout(
+            backend, Layout.PER_LAYER, virtual, args.reps, args.zero_chunk_mib * MiB)
     pool = bench_pool_fast_path(backend, args.pairs)
     mgr = bench_manager(args.backend, args.pairs // 3)
 
@@ -249,13 +260,13 @@ def main() -> None:
         "",
         "## KV cache: 32 layers, bf16, block 16, 8 KV heads, head size 128 (1 GiB = 512 blocks)",
         "",
-        "| layout | tensors | virtual GiB | create KV tensors ms | grow 1 GiB ms (p50 / min) "
+        "| layout | tensors | virtual GiB | zero mappings | create KV tensors ms | grow 1 GiB ms (p50 / min) "
         "| shrink 1 GiB ms (p50 / min) | destroy ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for lay, r in layouts.items():
         lines.append(
-            f"| {lay.value} | {r['num_tensors']} | {r['virtual_gib']:.1f} | {r['create_ms']:.1f} | "
+            f"| {lay} | {r['num_tensors']} | {r['virtual_gib']:.1f} | {r['zero_maps']} | {r['create_ms']:.1f} | "
             f"{r['grow_ms']:.2f} / {r['grow_min_ms']:.2f} | {r['shrink_ms']:.2f} / {r['shrink_min_ms']:.2f} | "
             f"{r['destroy_ms']:.1f} |"
         )
@@ -268,7 +279,7 @@ def main() -> None:
     ]
     for lay, r in layouts.items():
         for step, (ms, n) in sorted(r["phases"].items()):
-            lines.append(f"| {lay.value} | {step} | {ms:.3f} | {n} |")
+            lines.append(f"| {lay} | {step} | {ms:.3f} | {n} |")
     if breakdown:
         lines += [
             "",
@@ -278,6 +289,8 @@ def main() -> None:
             "| --- | ---: | ---: | ---: | ---: |",
         ]
         for key, v in breakdown.items():
+            if not v:
+                continue
             lines.append(f"| {key} | {pct(v, 0.5):.2f} | {pct(v, 0.99):.2f} | {sum(v):.1f} | {len(v)} |")
     lines += [
         "",

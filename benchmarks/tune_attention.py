@@ -127,14 +127,33 @@ def part_host(out: list[str]) -> None:
                                                              p.out)))
     tab.add("custom op (dispatcher + launch)", host_us(lambda: PA.paged_attention_op(
         *args, p.out, 1, 8192, HEAD**-0.5, True, 0, 0.0, None, None, None, None)))
-    tab.add("_launch only (decode + reduce)", host_us(lambda: PA._launch(
+    tab.add("_launch only (split, merged in-kernel)", host_us(lambda: PA._launch(
         *args, p.out, 1, 8192, HEAD**-0.5, True, 0, 0.0, None, None, None, None)))
+    with cfg.override(decode_fused_reduce=0):
+        tab.add("_launch only (split, decode + reduce_kernel)", host_us(lambda: PA._launch(
+            *args, p.out, 1, 8192, HEAD**-0.5, True, 0, 0.0, None, None, None, None)))
+        e, g = p.times()
+        tab.add(f"reduce_kernel path: do_bench eager {e:.1f} us / graph replay {g:.1f} us", "-")
     with cfg.override(decode_num_splits=1):
         tab.add("_launch only, no split (decode kernel alone)", host_us(lambda: PA._launch(
             *args, p.out, 1, 8192, HEAD**-0.5, True, 0, 0.0, None, None, None, None)))
     e, g = p.times()
     tab.add(f"do_bench eager {e:.1f} us / graph replay {g:.1f} us", "-")
     out.append(tab.markdown())
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        p()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+    body = [ln for ln in text.getvalue().splitlines() if ln.strip()][-16:]
+    out.append("Profile of 200 eager calls (tottime):\n\n```\n" + "\n".join(body) + "\n```\n")
 
 
 DECODE_SHAPES = {1: (16, 32, 64, 128), 8: (4, 8, 16), 64: (1, 2), 256: (1,)}
@@ -175,7 +194,8 @@ def part_decode(out: list[str], quick: bool) -> None:
 def part_grid(out: list[str]) -> None:
     """Default configs over batch x context: eager and graph times, and dense SDPA, both layouts."""
     tab = Table("Decode, default configs: ours (per-layer / contiguous) vs dense SDPA, us",
-                ["batch", "ctx", "splits", "eager", "graph", "contig eager", "contig graph", "SDPA", "TB/s (graph)"])
+                ["batch", "ctx", "splits", "eager", "graph", "graph, reduce_kernel", "contig eager", "contig graph",
+                 "SDPA", "TB/s (graph)"])
     for batch, ctx in itertools.product((1, 8, 64, 256), (1024, 8192, 32768)):
         if batch * ctx > 256 * 8192:
             continue
@@ -183,16 +203,18 @@ def part_grid(out: list[str]) -> None:
             p = Decode(batch, ctx)
             p.check(f"grid b{batch} s{ctx}")
             e, g = p.times()
+            with cfg.override(decode_fused_reduce=0):
+                g2 = bench(graph_of(p).replay)
             sd = p.sdpa()
             del p
             c = Decode(batch, ctx, Layout.CONTIGUOUS, 2)
             c.check(f"grid contiguous b{batch} s{ctx}")
             ce, cg = c.times()
             splits = cfg.decode_config(batch, KV_HEADS, HEAD, 16, 2, ctx, 0).num_splits
-            tab.add(batch, ctx, splits, e, g, ce, cg, sd, c.bytes / cg / 1e6)
+            tab.add(batch, ctx, splits, e, g, g2, ce, cg, sd, c.bytes / cg / 1e6)
             del c
         except Exception as exc:
-            tab.add(batch, ctx, None, None, None, None, None, None, f"ERROR {type(exc).__name__}: {exc}"[:200])
+            tab.add(batch, ctx, None, None, None, None, None, None, None, f"ERROR {type(exc).__name__}: {exc}"[:200])
         torch.cuda.empty_cache()
     out.append(tab.markdown())
 
@@ -213,8 +235,7 @@ def part_prefill(out: list[str], quick: bool) -> None:
     def fn():
         return PA.paged_attention(q, k, v, bt, sl, qsl, max_query_len=n, max_seq_len=n, out=o)
 
-    configs = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
-               (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 2)]
+    configs = [(128, 64, 4, 4), (128, 64, 4, 5), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 32, 8, 4)]
     if quick:
         configs = configs[:4]
     best = None

@@ -35,6 +35,28 @@ void Backend::unmap_units(uintptr_t ptr, size_t size, size_t unit) {
   for (size_t off = 0; off < size; off += unit) unmap(ptr + off, unit);
 }
 
+void Backend::unmap_mappings(uintptr_t ptr, const std::vector<size_t>& sizes, size_t* done) {
+  size_t total = 0, n = 0;
+  for (size_t s : sizes) total += s;
+  if (done) *done = 0;
+  if (sizes.size() > 1 && range_unmap_.load() >= 0) {
+    try {
+      unmap(ptr, total);
+      range_unmap_.store(1);
+      if (done) *done = sizes.size();
+      return;
+    } catch (const Error& e) {
+      if (e.kind != ErrKind::Driver || range_unmap_.load() > 0) throw;
+      range_unmap_.store(-1);
+    }
+  }
+  for (size_t s : sizes) {
+    unmap(ptr, s);
+    ptr += s;
+    if (done) *done = ++n;
+  }
+}
+
 void Backend::probe_map_offset() noexcept {
   // Some drivers only map an allocation from its start (HIP documents "offset must be 0").
   Handle h = 0;

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "errors.h"
 
@@ -58,6 +59,9 @@ class Backend {
   // Unmaps [ptr, ptr+size) made of mappings of `unit` bytes each: one call when the
   // driver accepts a range spanning several mappings, else one call per unit.
   void unmap_units(uintptr_t ptr, size_t size, size_t unit);
+  // The same for adjacent mappings of any sizes starting at ptr; *done counts the
+  // mappings gone (all of them on success).
+  void unmap_mappings(uintptr_t ptr, const std::vector<size_t>& sizes, size_t* done = nullptr);
 
   std::shared_ptr<ZeroPage> zero_page(size_t size);
 

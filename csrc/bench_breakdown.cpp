@@ -232,11 +232,11 @@ Results bench_breakdown(Backend& b, int64_t num_units, size_t unit) {
       out["two.unmap1"].push_back(timed([&] { b.unmap(v1.p, unit); }));
     }
   });
-  // I. a grow and shrink of 8 pages inside a 64 MiB zero chunk, with partial zero mappings
+  // I. a grow and shrink of 8 pages inside a 64 MiB zero chunk; remainders from zero allocations of their size
   guarded(out, "split", [&] {
     const size_t cu = 32, cs = cu * unit, chunks = n / cu;
     if (chunks < 32) throw_value("needs num_units >= 1024");
-    Hd z(b, cs);
+    Hd z(b, cs), z8(b, 8 * unit), z16(b, 16 * unit);
     Va va(b, total);
     std::vector<Handle> hs;
     size_t mapped_chunks = 0;
@@ -247,14 +247,14 @@ Results bench_breakdown(Backend& b, int64_t num_units, size_t unit) {
       for (size_t k = 0; k < 16; ++k) {
         uintptr_t c = va.p + 2 * k * cs;
         out["split.grow.unmap_chunk"].push_back(timed([&] { b.unmap(c, cs); }));
-        out["split.grow.map_left_8"].push_back(timed([&] { b.map(c, 8 * unit, z.h, 0); }));
+        out["split.grow.map_left_8"].push_back(timed([&] { b.map(c, 8 * unit, z8.h, 0); }));
         out["split.grow.map_real_8"].push_back(timed([&] {
           for (size_t i = 0; i < 8; ++i) b.map(c + (8 + i) * unit, unit, hs[i], 0);
         }));
-        out["split.grow.map_right_16"].push_back(timed([&] { b.map(c + 16 * unit, 16 * unit, z.h, 0); }));
+        out["split.grow.map_right_16"].push_back(timed([&] { b.map(c + 16 * unit, 16 * unit, z16.h, 0); }));
         out["split.grow.set_access_chunk"].push_back(timed([&] { b.set_access(c, cs); }));
         out["split.shrink.unmap_real_8"].push_back(timed([&] { b.unmap(c + 8 * unit, 8 * unit); }));
-        out["split.shrink.map_zero_8"].push_back(timed([&] { b.map(c + 8 * unit, 8 * unit, z.h, 0); }));
+        out["split.shrink.map_zero_8"].push_back(timed([&] { b.map(c + 8 * unit, 8 * unit, z8.h, 0); }));
         out["split.shrink.set_access_8"].push_back(timed([&] { b.set_access(c + 8 * unit, 8 * unit); }));
         b.unmap(c, cs);  // three zero mappings -> one again
         b.map(c, cs, z.h, 0);

@@ -145,13 +145,17 @@ PYBIND11_MODULE(_vmm, m) {
       });
 
   py::class_<VirtualTensor, std::shared_ptr<VirtualTensor>>(m, "VirtualTensor")
-      .def(py::init([](std::shared_ptr<Backend> backend, int64_t size, int64_t unit) {
-             size_t s = as_size(size, "size"), u = as_size(unit, "unit");
+      .def(py::init([](std::shared_ptr<Backend> backend, int64_t size, int64_t unit, int64_t zero_chunk) {
+             size_t s = as_size(size, "size"), u = as_size(unit, "unit"), z = as_size(zero_chunk, "zero_chunk");
              py::gil_scoped_release rel;
-             return std::make_shared<VirtualTensor>(std::move(backend), s, u);
+             return std::make_shared<VirtualTensor>(std::move(backend), s, u, z);
            }),
-           py::arg("backend"), py::arg("size"), py::arg("unit"))
+           py::arg("backend"), py::arg("size"), py::arg("unit"), py::arg("zero_chunk") = 0,
+           "zero_chunk (unit * 2^k, 0 = unit): largest zero mapping. Larger means fewer driver mappings, "
+           "but unbacked writes alias only at equal offsets within a chunk.")
       .def_property_readonly("ptr", &VirtualTensor::ptr)
+      .def_property_readonly("zero_chunk", &VirtualTensor::zero_chunk)
+      .def_property_readonly("num_zero_mappings", &VirtualTensor::num_zero_mappings)
       .def_property_readonly("size", &VirtualTensor::size)
       .def_property_readonly("unit", &VirtualTensor::unit)
       .def_property_readonly("backend", &VirtualTensor::backend)

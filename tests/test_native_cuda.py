@@ -168,3 +168,23 @@ def test_gpu_per_layer_pool_and_blocks(backend):
 def test_gpu_bench_driver_calls(backend):
     r = vmm.bench_driver_calls(backend, 8, 2 * MiB)
     assert len(r["create"]) == 8 and len(r["set_access"]) == 8
+
+
+@pytest.mark.gpu
+def test_gpu_zero_chunks_split_and_regrow(backend):
+    pages = 40
+    vt = vmm.VirtualTensor(backend, pages * 2 * MiB, 2 * MiB, 16 * MiB)
+    assert vt.num_zero_mappings == 5
+    pa = vmm.PageAllocator(backend, [vt], [(0, 0, 2 * MiB)], pages, 0, 0, False)
+    x = gpu_view(vt)
+    assert pa.alloc_pages(3) == [0, 1, 2]
+    for p in range(3):
+        x[p * 2 * MiB : (p + 1) * 2 * MiB] = p + 1
+    pa.free_pages([1])
+    torch.cuda.synchronize()
+    assert int(x[2 * MiB : 4 * MiB].sum()) == 0 and int(x[6 * MiB :].sum()) == 0
+    assert int(x[0]) == 1 and int(x[4 * MiB]) == 3
+    assert pa.alloc_pages(1) == [1]
+    pa.free_pages([0, 1, 2])
+    assert int(x.sum()) == 0
+    pa.close()

@@ -127,6 +127,30 @@ def test_decode_splits(splits, feature):
     run_case(q_lens=[1, 1, 1], seq_lens=[200, 3, 64], splits=splits, seed=6, **_features(feature))
 
 
+@pytest.mark.parametrize("fused", [0, 1])
+def test_split_merge_paths_and_repeat(fused):
+    # the in-kernel merge leaves its counters at zero: a second call (other lengths) is right too
+    with cfg.override(decode_fused_reduce=fused):
+        run_case(q_lens=[1, 1, 1], seq_lens=[200, 3, 64], splits=5, seed=13, **_features("sinks"))
+        run_case(q_lens=[1, 1], seq_lens=[90, 130], splits=7, seed=14)
+
+
+def test_direct_launch_matches_the_custom_op():
+    import importlib
+
+    pa = importlib.import_module("kvcached.kernels.paged_attention")
+    gen = torch.Generator().manual_seed(15)
+    k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=2, head_size=32, block_size=16,
+                               dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
+    query, bt, sl, qsl = random_batch([1, 6], [70, 6], 4, 32, 16, k.shape[0], torch.float16,
+                                      generator=gen, device=DEVICE)
+    assert pa._direct(query)
+    eager = paged_attention(query, k, v, bt, sl, qsl, max_query_len=6, max_seq_len=70, scale=0.2)
+    via_op = torch.full_like(query, float("nan"))
+    pa.paged_attention_op(query, k, v, bt, sl, qsl, via_op, 6, 70, 0.2, True, 0, 0.0, None, None, None, None)
+    assert torch.equal(eager, via_op)
+
+
 def test_auto_splits_decode_and_empty_sequence():
     # a zero-length query (padding) must leave its rows alone and not disturb the others
     gen = torch.Generator().manual_seed(8)

@@ -4,8 +4,10 @@ One program serves one (sequence, KV head, split): the ``GROUP`` query heads tha
 share the KV head are the rows of the ``tl.dot`` (padded to ``BLOCK_H`` >= 16), so
 each K/V tile is read once per KV head. With ``SPLIT`` the context is cut in
 ``num_splits`` runs of whole ``BLOCK_N`` tiles; each program writes its running
-max, sum and unnormalised output (fp32) and ``reduce_kernel`` merges them (and the
-sink logit, which only the merge may count once).
+max, sum and unnormalised output (fp32); the merge (which alone counts the sink
+logit) is done either by the last program of each (sequence, KV head) to finish,
+found with a self-resetting atomic counter (``FUSED``: one launch), or by
+``reduce_kernel`` (a second launch).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def decode_kernel(
     k_scale_ptr,
     v_scale_ptr,
     part_ptr,
+    lock_ptr,
     sm_scale,
     softcap,
     window,
@@ -52,6 +55,8 @@ def decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSED: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
@@ -130,6 +135,18 @@ def decode_kernel(
         tl.store(part_ptr + row[:, None] * HEAD_PAD + d[None, :], acc, mask=h_mask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_mask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_mask)
+        if FUSED:
+            # The last program of this (sequence, KV head) to finish merges every split: one
+            # launch instead of two (host launch time dominates small batches). The counter
+            # is put back to 0 by that program, so the buffer is clean for the next launch.
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            lock = lock_ptr + seq * tl.num_programs(1) + kv_head
+            ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                tl.debug_barrier()
+                _merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, kv_head * GROUP, num_heads,
+                              num_splits, stride_ot, stride_oh, GROUP, HEAD_SIZE, HEAD_PAD, SPLITS_PAD, SINKS)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -137,6 +154,48 @@ def decode_kernel(
             out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=h_mask[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, head0, num_heads, num_splits, stride_ot,
+                  stride_oh, NUM: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+                  SPLITS_PAD: tl.constexpr, SINKS: tl.constexpr):
+    """Merge the ``num_splits`` partial results of query heads ``head0 .. head0 + NUM - 1`` into ``out``."""
+    # splits per load: at most 8k fp32 values (64 registers a thread at 4 warps)
+    CHUNK: tl.constexpr = max(2, min(SPLITS_PAD, 8192 // HEAD_PAD))
+    s = tl.arange(0, SPLITS_PAD)
+    s_mask = s < num_splits
+    c = tl.arange(0, CHUNK)
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < HEAD_SIZE
+    # unrolled: the loads of every head can be issued before the first head's arithmetic waits
+    for i in tl.static_range(NUM):
+        head = head0 + i
+        base = (seq.to(tl.int64) * num_heads + head) * num_splits
+        # .cg: partials written by other programs of this launch, never from this SM's L1
+        m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_mask, other=NEG_BIG, cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 0)
+        if SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+            m_max = tl.maximum(m_max, sink)
+        l_tot = tl.sum(l_s * tl.exp2(m - m_max), 0)
+        if SINKS:
+            l_tot += tl.exp2(sink - m_max)
+        l_tot = tl.where(l_tot == 0.0, 1.0, l_tot)
+        acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
+        for c0 in range(0, num_splits, CHUNK):
+            cs = c0 + c
+            c_mask = cs < num_splits
+            mc = tl.load(part_ml_ptr + (base + cs) * 2, mask=c_mask, other=NEG_BIG, cache_modifier=".cg")
+            parts = tl.load(part_ptr + (base + cs)[:, None] * HEAD_PAD + d[None, :], mask=c_mask[:, None],
+                            other=0.0, cache_modifier=".cg")
+            acc += tl.sum(parts * tl.exp2(mc - m_max)[:, None], 0)
+        tl.store(
+            out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
+            (acc / l_tot).to(out_ptr.dtype.element_ty),
+            mask=d_mask,
         )
 
 

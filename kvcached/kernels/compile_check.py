@@ -113,8 +113,14 @@ def compile_one(module: str, index: int, target: str) -> Result:
     try:
         fn = v.fn
         arg_names = list(fn.arg_names)
-        # pointers are 16-byte aligned in practice (torch allocations); tell the compiler so loads vectorise
-        attrs = {(arg_names.index(k),): [["tt.divisibility", 16]] for k, t in v.signature.items() if t.startswith("*")}
+        # Mirror Triton's run-time specialisation of the common case: torch allocations are 16-byte
+        # aligned and KV strides are multiples of 16 elements, and without these marks no load is
+        # vectorised or pipelined (the compile would not be the one that runs).
+        attrs = {
+            (arg_names.index(k),): [["tt.divisibility", 16]]
+            for k, t in v.signature.items()
+            if t.startswith("*") or (k.startswith("stride_") and t in ("i32", "i64"))
+        }
         src = ASTSource(fn=fn, signature=dict(v.signature), constexprs=dict(v.constexprs), attrs=attrs)
         opts = dict(v.options)
         if not target.startswith("gfx"):

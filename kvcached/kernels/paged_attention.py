@@ -87,6 +87,34 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return t
 
 
+_LOCKS: dict = {}
+_LOCKS_KEPT: list = []
+
+
+def _stream_id(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def _lock_buffer(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused split merge, one set per (device, stream).
+
+    Each launch leaves them at zero again. Per stream, so that calls on concurrent
+    streams never share a counter. Buffers are never freed: a captured CUDA graph keeps
+    using the address it was captured with.
+    """
+    key = (device, _stream_id(device))
+    t = _LOCKS.get(key)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 4096, 2 * (0 if t is None else t.numel())), dtype=torch.int32, device=device)
+        _LOCKS_KEPT.append(t)
+        _LOCKS[key] = t
+    return t
+
+
 def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len,
               scale, causal, sliding_window, softcap, alibi_slopes, sinks, out) -> None:
     # Runs on every call, ahead of a ~10 us kernel: each shape/stride/device is read once.
@@ -207,22 +235,27 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     block_h = max(16, triton.next_power_of_2(group))
     dc = cfg.decode_config(num_seqs, num_kv_heads, head_pad, block_h, k_cache.element_size(), max_seq_len, dev_index)
     split = dc.num_splits > 1
+    fused = split and cfg.fused_reduce(dev)
+    splits_pad = max(2, triton.next_power_of_2(dc.num_splits))
+    lock = dummy
     if split:
         # one workspace: [num_seqs, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs
         part = torch.empty(num_seqs * num_heads * dc.num_splits * (head_pad + 2), dtype=torch.float32, device=dev)
+        if fused:
+            lock = _lock_buffer(dev, num_seqs * num_kv_heads)
     else:
         part = dummy
     decode_kernel[(num_seqs, num_kv_heads, dc.num_splits)](
         query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
-        part, scale, softcap, sliding_window, dc.num_splits,
+        part, lock, scale, softcap, sliding_window, dc.num_splits,
         *q_strides, *kv_strides, *o_strides, block_table.stride(0),
         GROUP=group, BLOCK_H=block_h, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=dc.block_n, SPLIT=split, **flags, **dc.options,
+        BLOCK_N=dc.block_n, SPLIT=split, FUSED=fused, SPLITS_PAD=splits_pad if fused else 2, **flags, **dc.options,
     )
-    if split:
+    if split and not fused:
         reduce_kernel[(num_seqs, num_heads)](
             out, query_start_loc, sink_t, part, dc.num_splits, *o_strides,
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=max(2, triton.next_power_of_2(dc.num_splits)),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=splits_pad,
             SINKS=sinks is not None, num_warps=4, num_stages=1,
         )
     if max_query_len > 1:
@@ -375,17 +408,18 @@ def _variants_for(target: str, qdt: torch.dtype, kdt: torch.dtype, head: int, bl
     out = []
     block_h = max(16, triton.next_power_of_2(group))
     dbase = cfg._decode_base.__wrapped__(head_pad, block_h, 1 if fp8 else 2, hip)
-    for split in (False, True):
+    # no split; split merged in-kernel (128 splits: the widest merge); split + reduce_kernel
+    for split, fused, suffix in ((False, False, ""), (True, True, "-split"), (True, False, "-split-reduce")):
         sig = _common_sig(qt, kt)
-        sig.update({"part_ptr": "*fp32", "sm_scale": "fp32", "softcap": "fp32",
-                    "window": "i32", "num_splits": "i32"})
+        sig.update({"part_ptr": "*fp32", "lock_ptr": "*i32", "sm_scale": "fp32", "softcap": "fp32", "window": "i32",
+                    "num_splits": "i32"})
         sig.update({s: "i32" for s in _STRIDES})
         const = {"GROUP": group, "BLOCK_H": block_h, "HEAD_SIZE": head, "HEAD_PAD": head_pad, "BLOCK_SIZE": block,
-                 "BLOCK_N": dbase.block_n, "SPLIT": split, **flags}
+                 "BLOCK_N": dbase.block_n, "SPLIT": split, "FUSED": fused, "SPLITS_PAD": 128 if fused else 2, **flags}
         opts = {"num_warps": dbase.num_warps, "num_stages": dbase.num_stages}
         if hip and dbase.waves_per_eu:
             opts["waves_per_eu"] = dbase.waves_per_eu
-        out.append(CompileVariant(f"attn_decode[{tag}{'-split' if split else ''}]", decode_kernel, sig, const, opts))
+        out.append(CompileVariant(f"attn_decode[{tag}{suffix}]", decode_kernel, sig, const, opts))
     pbase = cfg._prefill_base.__wrapped__(head_pad, 1 if fp8 else 2, hip)
     sig = _common_sig(qt, kt)
     sig.update({"sm_scale": "fp32", "softcap": "fp32", "window": "i32"})

@@ -97,6 +97,15 @@ def test_decode_batches(batch, splits):
     _run(q_lens=[1] * batch, seq_lens=seq_lens, splits=splits, seed=5, **_features("sinks", 32))
 
 
+@pytest.mark.parametrize("fused", [0, 1])
+def test_decode_merge_paths_repeat(fused):
+    # in-kernel merge (fused) and reduce_kernel; three calls: the merge counters must come back to zero
+    with cfg.override(decode_fused_reduce=fused):
+        for seed in range(3):
+            _run(q_lens=[1] * 8, seq_lens=[8192, 77, 4000, 1, 5000, 6000, 8000, 129], splits=37 + seed, seed=seed,
+                 **_features("sinks", 32))
+
+
 def test_long_prefill_8k():
     _run(q_lens=[8192], seq_lens=[8192], seed=6)
 

@@ -10,12 +10,15 @@ Invariants:
 - a block id handed to vLLM was allocated from kvcached, and is given back
   exactly once, when its ``ref_cnt`` drops to 0 and it is not kept as cache;
 - ``get_num_free_blocks()`` is what the scheduler may take right now: when vLLM
-  asks it with a concrete need (see ``patches``), the blocks are reserved in
-  kvcached first, so another engine cannot take the memory between the
-  scheduler's check and its allocation. A shortfall makes ``allocate_slots``
-  return None (the request waits or is preempted); it never raises;
-- cached blocks are bounded by ``KVCACHED_MAX_CACHED_TOKENS`` and are evicted
-  whole pages first, so evicting them actually unmaps memory.
+  asks it with a concrete need (see ``patches``), whatever the cached blocks here
+  cannot cover is reserved in kvcached first, so another engine cannot take the
+  memory between the scheduler's check and its allocation. A shortfall makes
+  ``allocate_slots`` return None (the request waits or is preempted); it never raises;
+- when kvcached has nothing left, ``get_new_blocks`` recycles the least recently
+  used cached blocks in place (still mapped), as vLLM's own pool does;
+- cached blocks are bounded by ``KVCACHED_MAX_CACHED_TOKENS`` (applied outside
+  ``allocate_slots``) and are given back whole pages first, so evicting them
+  actually unmaps memory; so is a pool over its ``kvctl`` limit, at each step.
 """
 
 from __future__ import annotations

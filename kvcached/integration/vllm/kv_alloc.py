@@ -147,8 +147,12 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
             f"{block_size}; unset ENABLE_KVCACHED for this model."
         )
     cell = page_bytes // block_size
+    # a fresh group per engine, so a second engine in this process (after the first shut down) starts clean
+    group_id = 0
+    while vmm_ops.kv_tensors_created(group_id):
+        group_id += 1
     views, meta = interfaces.alloc_kv_cache((num_blocks, block_size, cell), block_size, torch.uint8, str(device),
-                                            num_layers, attention_type="MLA", return_meta=True)
+                                            num_layers, attention_type="MLA", group_id=group_id, return_meta=True)
     if num_blocks > meta["num_blocks_per_layer"]:
         raise KVCachedConfigError(
             f"vLLM planned {num_blocks} KV blocks but kvcached's virtual tensors hold "
@@ -163,7 +167,7 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
                               block_stride=base.stride(0), offset=base.storage_offset())
         out[name] = create_kv_cache_views(raw, spec, num_blocks, layout, place, kernel_block_size=kbs)[0]
     with _lock:
-        _pool_info = PoolInfo(num_blocks, block_size, cell, num_layers)
+        _pool_info = PoolInfo(num_blocks, block_size, cell, num_layers, group_id)
     logger.info("kvcached: %d layers x %d virtual blocks of %d B in the %s layout on %s", num_layers, num_blocks,
                 page_bytes, vmm_ops.runtime().layout.value, device)
     return out

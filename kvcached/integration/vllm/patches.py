@@ -215,6 +215,21 @@ def _patch_scheduler_side() -> None:
 
     kvm.KVCacheManager.new_step_starts = new_step_starts
 
+    import vllm.v1.core.sched.scheduler as sched
+
+    shutdown = sched.Scheduler.shutdown
+
+    @functools.wraps(shutdown)
+    def scheduler_shutdown(self: Any) -> None:
+        try:
+            shutdown(self)
+        finally:
+            pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
+            if isinstance(pool, KVCachedBlockPool):
+                pool.close()  # unmap this engine's KV memory now, not at process exit
+
+    sched.Scheduler.shutdown = scheduler_shutdown
+
 
 def _patch_cpu_executor() -> None:
     """Keep the worker inside the engine-core process on vLLM's CPU build (TP=1).
