@@ -73,7 +73,7 @@ def test_split_and_regrow_keeps_data_and_zeros():
         x[p * U : (p + 1) * U] = p + 1
     assert int(x[3 * U :].sum()) == 0
     maps_after_split = vt.num_zero_mappings
-    assert maps_after_split <= 2 + 2  # [3], [4..8) left of the first chunk, plus the 8 MiB tail
+    assert maps_after_split == 2 + 2  # units 3..7 of the first chunk as 4 + 1, two untouched chunks
     pa.free_pages([1])  # a hole in the middle goes back to zero
     assert int(x[U : 2 * U].sum()) == 0
     assert int(x[0]) == 1 and int(x[2 * U]) == 3
@@ -150,3 +150,27 @@ def test_per_layer_random_churn_against_model(seed):
     bases.clear()
     del pa, vts
     assert b.physical_bytes() == 0
+
+
+def test_phase_times_count_the_steps():
+    b = host()
+    vt = vmm.VirtualTensor(b, 16 * U, U, 8 * U)
+    pa = vmm.PageAllocator(b, [vt], [(0, 0, U)], 16, 0, 0, False)
+    pa.free_pages(pa.alloc_pages(3))
+    ph = pa.phase_times()
+    assert ph["map.create"][1] == 3  # one allocation per page (one region)
+    assert ph["map.map"][1] == 3 and ph["map.take_zero"][1] == 1 and ph["map.set_access"][1] == 1
+    assert ph["unmap.give_zero"][1] == 3 and ph["unmap.release"][1] == 3
+    assert all(us >= 0 for us, _ in ph.values())
+    pa.reset_phase_times()
+    assert pa.phase_times() == {}
+    pa.close()
+
+
+def test_bench_breakdown_on_host():
+    with pytest.raises(ValueError, match="num_units"):
+        vmm.bench_breakdown(host(), 8, U)
+    r = vmm.bench_breakdown(host(), 32, U)
+    assert len(r["same.map"]) == 32 and len(r["dist.create"]) == 32
+    assert r["partial_map_ok"] == [1.0]  # host maps a prefix of an allocation; CUDA refuses (801)
+    assert not any(k.endswith(".failed") and k != "split.failed" for k in r)  # split needs 1024 units

@@ -127,6 +127,13 @@ def test_decode_splits(splits, feature):
     run_case(q_lens=[1, 1, 1], seq_lens=[200, 3, 64], splits=splits, seed=6, **_features(feature))
 
 
+@pytest.mark.parametrize("feature", ["none", "all", "noncausal", "window"])
+def test_prefill_hopper_tiles(feature):
+    # the sm90 prefill tile (128 x 128 keys): a query tile wider than some prompts, keys past the blocks
+    with cfg.override(prefill_block_m=128, prefill_block_n=128):
+        run_case(q_lens=[1, 150, 40, 1], seq_lens=[45, 200, 40, 17], seed=16, **_features(feature))
+
+
 @pytest.mark.parametrize("fused", [0, 1])
 def test_split_merge_paths_and_repeat(fused):
     # the in-kernel merge leaves its counters at zero: a second call (other lengths) is right too

@@ -140,8 +140,20 @@ def _decode_config(
     )
 
 
+@functools.lru_cache(maxsize=16)
+def large_shared_memory(device_index: int) -> bool:
+    """True on GPUs with >= 200 KiB of shared memory per block (H100/H200/B200, not A100 or consumer parts)."""
+    if not torch.cuda.is_available() or is_hip():
+        return False
+    props = torch.cuda.get_device_properties(device_index)
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    if optin:
+        return optin >= 200 * 1024
+    return (props.major, props.minor) in ((9, 0), (10, 0))
+
+
 @functools.lru_cache(maxsize=1024)
-def _prefill_base(head_pad: int, kv_itemsize: int, hip: bool) -> PrefillConfig:
+def _prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool = False) -> PrefillConfig:
     if interpreting():
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     if hip:
@@ -152,19 +164,23 @@ def _prefill_base(head_pad: int, kv_itemsize: int, hip: bool) -> PrefillConfig:
         return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=1, waves_per_eu=2)
     if head_pad <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    if head_pad <= 128:  # H200 8k causal sweep: 4 warps 322 TFLOP/s, 8 warps 280 (128x128x8: 318)
-        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_pad <= 128:
+        # H200, 8k causal, triton 3.6: 128x128/8 warps 318 TFLOP/s (161 KiB smem: Hopper-class only),
+        # 128x64/8 warps 280; 128x64/4 warps 322 but spills 400+ B a thread (sm90, triton 3.9)
+        if big_smem:
+            return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)  # block_n 64 spills (sm80/sm90)
 
 
-def prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int) -> PrefillConfig:
+def prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int, device_index: int = 0) -> PrefillConfig:
     if _OVERRIDES:
-        return _prefill_config(head_pad, kv_itemsize, max_query_len)
-    return _prefill_cached(head_pad, kv_itemsize, max_query_len)
+        return _prefill_config(head_pad, kv_itemsize, max_query_len, device_index)
+    return _prefill_cached(head_pad, kv_itemsize, max_query_len, device_index)
 
 
-def _prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int) -> PrefillConfig:
-    base = _prefill_base(head_pad, kv_itemsize, is_hip())
+def _prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int, device_index: int) -> PrefillConfig:
+    base = _prefill_base(head_pad, kv_itemsize, is_hip(), large_shared_memory(device_index))
     o = _OVERRIDES
     block_m = o.get("prefill_block_m", base.block_m)
     if "prefill_block_m" not in o and not interpreting():

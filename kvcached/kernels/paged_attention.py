@@ -1,10 +1,12 @@
 """Paged attention over KV caches with any strides: public entry point and custom op.
 
 ``paged_attention`` validates its inputs (metadata only: it never reads a device
-tensor on the host) and calls the ``kvcached::paged_attention`` custom op, which
-launches the split-KV decode kernel (plus its reduce) for single-token sequences
-and, when ``max_query_len > 1``, the prefill kernel for the others. Both kernels
-read each sequence's query length on the device, so one call serves any mixed batch.
+tensor on the host) and launches the split-KV decode kernel (plus, under graph
+capture, its reduce) for single-token sequences and, when ``max_query_len > 1``,
+the prefill kernel for the others. Both kernels read each sequence's query length
+on the device, so one call serves any mixed batch. Under torch.compile (or a
+dispatch mode) the launch goes through the ``kvcached::paged_attention`` custom op;
+plain eager calls skip its dispatcher, whose host cost exceeds a small decode.
 """
 
 # No ``from __future__ import annotations``: torch.library reads the op's annotations.
@@ -259,7 +261,7 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             SINKS=sinks is not None, num_warps=4, num_stages=1,
         )
     if max_query_len > 1:
-        pc = cfg.prefill_config(head_pad, k_cache.element_size(), max_query_len)
+        pc = cfg.prefill_config(head_pad, k_cache.element_size(), max_query_len, dev_index)
         grid = (triton.cdiv(max_query_len, pc.block_m), num_heads, num_seqs)
         prefill_kernel[grid](
             query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
@@ -385,6 +387,10 @@ def _target_fp8(target: str) -> torch.dtype | None:
     raise ValueError(f"unknown compile target {target!r}; use e.g. sm80, sm90, gfx942, gfx90a, gfx950.")
 
 
+def _large_smem_target(target: str) -> bool:
+    return target in ("sm90", "sm90a", "sm100", "sm100a")  # >= 200 KiB shared memory per block
+
+
 def _common_sig(qt: str, kt: str) -> dict:
     sig = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "out_ptr": f"*{qt}",
            "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "alibi_ptr": "*fp32",
@@ -420,7 +426,7 @@ def _variants_for(target: str, qdt: torch.dtype, kdt: torch.dtype, head: int, bl
         if hip and dbase.waves_per_eu:
             opts["waves_per_eu"] = dbase.waves_per_eu
         out.append(CompileVariant(f"attn_decode[{tag}{suffix}]", decode_kernel, sig, const, opts))
-    pbase = cfg._prefill_base.__wrapped__(head_pad, 1 if fp8 else 2, hip)
+    pbase = cfg._prefill_base.__wrapped__(head_pad, 1 if fp8 else 2, hip, _large_smem_target(target))
     sig = _common_sig(qt, kt)
     sig.update({"sm_scale": "fp32", "softcap": "fp32", "window": "i32"})
     sig.update({s: "i32" for s in _STRIDES})
