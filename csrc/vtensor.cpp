@@ -38,10 +38,13 @@ VirtualTensor::VirtualTensor(std::shared_ptr<Backend> backend, size_t size, size
 }
 
 void VirtualTensor::map_zero_locked(size_t off, size_t size) {
+  // Largest pieces first, with no alignment: the driver charges per mapping, and any
+  // granularity-aligned address takes any allocation, so a run of r units needs at most
+  // r / chunk + popcount(r mod chunk) mappings.
   size_t a = off / unit_, b = (off + size) / unit_;
   while (a < b) {
     unsigned j = max_order_;
-    while (j > 0 && ((a & ((size_t{1} << j) - 1)) || a + (size_t{1} << j) > b)) --j;
+    while (j > 0 && a + (size_t{1} << j) > b) --j;
     size_t len = unit_ << j;
     backend_->map(ptr_ + a * unit_, len, zeros_[j]->handle, 0);
     zero_ext_[a * unit_] = len;

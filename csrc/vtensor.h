@@ -41,7 +41,7 @@ class VirtualTensor {
   size_t num_zero_mappings();
 
  private:
-  void map_zero_locked(size_t off, size_t size);  // aligned power-of-two pieces, recorded as they go
+  void map_zero_locked(size_t off, size_t size);  // power-of-two pieces, largest first, recorded as they go
   void unmap_extents_locked(const std::vector<std::pair<size_t, size_t>>& ext);  // contiguous, ascending
 
   std::shared_ptr<Backend> backend_;

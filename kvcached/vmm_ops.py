@@ -177,6 +177,20 @@ def _check_device(rt: Runtime, dev_str: Any) -> None:
         )
 
 
+# GPU drivers charge ~25 us per mapping for access rights, so backing a per-layer
+# tensor's free space with one zero mapping per 2 MiB page costs seconds at start-up
+# (benchmarks/results/vmm_cuda_nvidia_h200.md). Large zero chunks, split only around
+# mapped pages, cut that 30x for about 2 x 64 MiB of device memory; free memory then
+# still reads as zeros, but writes into it alias only within a chunk.
+ZERO_CHUNK_BYTES = 64 << 20
+
+
+def _zero_chunk(backend: _vmm.Backend, geom: KVGeometry) -> int:
+    if backend.kind == "host" or geom.unit_bytes >= ZERO_CHUNK_BYTES:
+        return 0
+    return ZERO_CHUNK_BYTES
+
+
 def create_kv_tensors(size: int, dtype_size: int, dev_str: str, num_layers: int, num_kv_buffers: int = 2,
                       group_id: int = 0, unified_pool: bool = False) -> list[torch.Tensor]:
     """Reserve the virtual KV tensors of ``group_id``; return them as 1-D uint8 tensors.
@@ -213,7 +227,7 @@ def create_kv_tensors(size: int, dtype_size: int, dev_str: str, num_layers: int,
                 f"KV tensors of group {group_id} already exist; use another group_id or shut down first."
             )
         geom = page_geometry(num_layers, size // (kv * rt.page_size), rt.page_size, kv, rt.layout)
-        vtensors = [_vmm.VirtualTensor(rt.backend, geom.tensor_bytes, geom.unit_bytes)
+        vtensors = [_vmm.VirtualTensor(rt.backend, geom.tensor_bytes, geom.unit_bytes, _zero_chunk(rt.backend, geom))
                     for _ in range(geom.num_tensors)]
         tensors = [torch.from_dlpack(vt.to_dlpack()) for vt in vtensors]
         for t in tensors:
