@@ -186,9 +186,10 @@ ZERO_CHUNK_BYTES = 64 << 20
 
 
 def _zero_chunk(backend: _vmm.Backend, geom: KVGeometry) -> int:
-    if backend.kind == "host" or geom.unit_bytes >= ZERO_CHUNK_BYTES:
+    unit = geom.unit_bytes
+    if backend.kind == "host" or unit * 2 > ZERO_CHUNK_BYTES:
         return 0
-    return ZERO_CHUNK_BYTES
+    return unit << ((ZERO_CHUNK_BYTES // unit).bit_length() - 1)  # unit x a power of two, as the core needs
 
 
 def create_kv_tensors(size: int, dtype_size: int, dev_str: str, num_layers: int, num_kv_buffers: int = 2,
