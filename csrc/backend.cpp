@@ -111,9 +111,11 @@ std::shared_ptr<ZeroPage> Backend::zero_page(size_t size) {
 
 ZeroPage::~ZeroPage() { backend->release(handle); }
 
-std::shared_ptr<Backend> make_backend(const std::string& kind, int device, size_t host_limit_bytes) {
+std::shared_ptr<Backend> make_backend(const std::string& kind, int device, size_t host_limit_bytes,
+                                      const std::string& shm_name) {
   if (device < 0) throw_value("device must be >= 0, got " + std::to_string(device) + ".");
-  if (kind == "host" || kind == "cpu") return make_host_backend(host_limit_bytes);
+  if (kind == "host" || kind == "cpu") return make_host_backend(host_limit_bytes, device, shm_name);
+  if (!shm_name.empty()) throw_value("shm_name only applies to the host backend, not '" + kind + "'.");
   if (kind == "cuda") return make_cuda_backend(device);
   if (kind == "hip" || kind == "rocm") return make_hip_backend(device);
   throw_value("unknown backend '" + kind + "'; use 'cuda', 'hip' or 'host'.");

@@ -51,6 +51,8 @@ class Backend {
 
   virtual std::pair<size_t, size_t> mem_info() = 0;
   virtual void set_host_limit(size_t bytes);
+  // Host: the /dev/shm segment holding the budget shared between processes; others: "".
+  virtual std::string shm_name() const { return ""; }
   virtual std::pair<int, int> dlpack_device() const = 0;
 
   size_t physical_bytes() const { return physical_.load(std::memory_order_relaxed); }
@@ -78,8 +80,10 @@ class Backend {
   std::map<size_t, std::weak_ptr<ZeroPage>> zero_pages_;
 };
 
-std::shared_ptr<Backend> make_backend(const std::string& kind, int device, size_t host_limit_bytes);
-std::shared_ptr<Backend> make_host_backend(size_t limit);
+// shm_name "" = KVCACHED_HOST_SHM_NAME, else kvcached_host_<uid>_<device>.
+std::shared_ptr<Backend> make_backend(const std::string& kind, int device, size_t host_limit_bytes,
+                                      const std::string& shm_name = "");
+std::shared_ptr<Backend> make_host_backend(size_t limit, int device = 0, const std::string& shm_name = "");
 std::shared_ptr<Backend> make_cuda_backend(int device);
 std::shared_ptr<Backend> make_hip_backend(int device);
 size_t host_resident_bytes(Backend& b);

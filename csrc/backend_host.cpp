@@ -13,6 +13,7 @@
 #include <map>
 
 #include "backend.h"
+#include "host_budget.h"
 
 namespace kvc {
 namespace {
@@ -36,9 +37,10 @@ std::string errno_text(int err) {
 
 class HostBackend final : public Backend {
  public:
-  explicit HostBackend(size_t limit) : limit_(limit) {
+  HostBackend(int dev, size_t limit, const std::string& shm_name)
+      : budget_(HostBudget::open(shm_name.empty() ? HostBudget::default_name(dev) : shm_name, limit)) {
     kind = "host";
-    device = 0;
+    device = dev;
     granularity = 2u << 20;  // as on GPUs, so alignment errors show up here too
     fd_ = static_cast<int>(memfd_create("kvcached_host_pool", MFD_CLOEXEC));
     if (fd_ < 0) throw_errno("memfd_create", errno);
@@ -73,15 +75,14 @@ class HostBackend final : public Backend {
   Handle create(size_t size) override {
     check_aligned("allocation size", size);
     std::lock_guard<std::mutex> lk(mu_);
-    size_t used = physical_.load();
-    size_t cap = effective_limit();
-    if (used + size > cap) {
-      throw Error(ErrKind::OutOfMemory,
-                  "host create failed: out of memory: " + std::to_string(size) + " B requested, " +
-                      std::to_string(used) + " B of the " + std::to_string(cap) +
-                      " B host budget in use (raise host_limit_bytes / KVCACHED_HOST_MEM_LIMIT_MB or free pages)");
+    budget_->reserve(size, "host create");
+    size_t off;
+    try {
+      off = take_range(size);
+    } catch (...) {
+      budget_->give_back(size);
+      throw;
     }
-    size_t off = take_range(size);
     allocs_[off] = size;
     physical_.fetch_add(size);
     return off + 1;
@@ -103,6 +104,7 @@ class HostBackend final : public Backend {
     }
     give_range(off, size);
     physical_.fetch_sub(size);
+    budget_->give_back(size);
   }
 
   void map(uintptr_t ptr, size_t size, Handle h, size_t offset) override {
@@ -154,13 +156,11 @@ class HostBackend final : public Backend {
   bool creates_zeroed() const override { return true; }
   void memset_zero(uintptr_t ptr, size_t size) override { std::memset(reinterpret_cast<void*>(ptr), 0, size); }
 
-  std::pair<size_t, size_t> mem_info() override {
-    size_t cap = effective_limit();
-    size_t used = physical_.load();
-    return {used > cap ? 0 : cap - used, cap};
-  }
+  std::pair<size_t, size_t> mem_info() override { return budget_->info(); }
 
-  void set_host_limit(size_t bytes) override { limit_.store(bytes); }
+  void set_host_limit(size_t bytes) override { budget_->set_budget(bytes); }
+
+  std::string shm_name() const override { return budget_->name(); }
 
   std::pair<int, int> dlpack_device() const override { return {1, 0}; }
 
@@ -171,12 +171,6 @@ class HostBackend final : public Backend {
   }
 
  private:
-  size_t effective_limit() const {
-    size_t l = limit_.load();
-    if (l) return l;
-    return static_cast<size_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  }
-
   // [ptr, ptr+size) is exactly a run of whole, adjacent mappings.
   bool covered(uintptr_t ptr, size_t size) const {
     auto it = mapped_.find(ptr);
@@ -218,8 +212,8 @@ class HostBackend final : public Backend {
     free_[off] = size;
   }
 
+  std::shared_ptr<HostBudget> budget_;  // shared with the other processes (and backends) of this segment
   int fd_ = -1;
-  std::atomic<size_t> limit_;
   std::mutex mu_;
   size_t end_ = 0;
   std::map<size_t, size_t> free_;     // offset -> length of free memfd ranges
@@ -229,7 +223,9 @@ class HostBackend final : public Backend {
 
 }  // namespace
 
-std::shared_ptr<Backend> make_host_backend(size_t limit) { return std::make_shared<HostBackend>(limit); }
+std::shared_ptr<Backend> make_host_backend(size_t limit, int device, const std::string& shm_name) {
+  return std::make_shared<HostBackend>(device, limit, shm_name);
+}
 
 size_t host_resident_bytes(Backend& b) {
   auto* h = dynamic_cast<HostBackend*>(&b);

@@ -2,8 +2,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "backend.h"
 #include "dlpack.h"
+#include "host_budget.h"
 #include "vtensor.h"
 
 namespace py = pybind11;
@@ -119,12 +122,17 @@ PYBIND11_MODULE(_vmm, m) {
   });
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
-      .def(py::init([](const std::string& kind, int device, int64_t host_limit_bytes) {
+      .def(py::init([](const std::string& kind, int device, int64_t host_limit_bytes,
+                       std::optional<std::string> shm_name) {
              size_t limit = as_size(host_limit_bytes, "host_limit_bytes");
+             if (shm_name && shm_name->empty()) throw_value("shm_name must not be empty; pass None for the default.");
              py::gil_scoped_release rel;
-             return make_backend(kind, device, limit);
+             return make_backend(kind, device, limit, shm_name.value_or(""));
            }),
-           py::arg("kind"), py::arg("device") = 0, py::arg("host_limit_bytes") = 0)
+           py::arg("kind"), py::arg("device") = 0, py::arg("host_limit_bytes") = 0, py::arg("shm_name") = py::none(),
+           "host: the budget is shared by every process opening the same /dev/shm segment (shm_name, else "
+           "KVCACHED_HOST_SHM_NAME, else kvcached_host_<uid>_<device>); host_limit_bytes > 0 sets it for all of "
+           "them, 0 keeps the segment's (physical RAM when new).")
       .def_property_readonly("kind", [](const Backend& b) { return b.kind; })
       .def_property_readonly("device", [](const Backend& b) { return b.device; })
       .def_property_readonly("granularity", [](const Backend& b) { return b.granularity; })
@@ -139,6 +147,8 @@ PYBIND11_MODULE(_vmm, m) {
            "host: bytes of the memfd really backed by RAM; other backends: physical_bytes().")
       .def("set_host_limit", [](Backend& b, int64_t bytes) { b.set_host_limit(as_size(bytes, "host limit")); },
            py::arg("bytes"))
+      .def_property_readonly("shm_name", &Backend::shm_name,
+                             "host: the /dev/shm segment of the shared budget ('/name'); other backends: ''.")
       .def("dlpack_device", &Backend::dlpack_device)
       .def("__repr__", [](const Backend& b) {
         return "<kvcached._vmm.Backend " + b.kind + ":" + std::to_string(b.device) + ">";
@@ -178,6 +188,11 @@ PYBIND11_MODULE(_vmm, m) {
     return bench_breakdown(*b, num_units, u);
   }, py::arg("backend"), py::arg("num_units"), py::arg("unit"),
         "Microseconds of zero-page mapping experiments (same vs distinct handles, chunk sizes, threads...).");
+
+  m.def("host_shm_default_name", &HostBudget::default_name, py::arg("device") = 0,
+        "The host budget segment a Backend('host', device) opens: KVCACHED_HOST_SHM_NAME or kvcached_host_<uid>_<device>.");
+  m.def("unlink_host_shm", &HostBudget::unlink, py::arg("name"),
+        "Remove the name of a host budget segment (processes that have it open keep sharing it); False if absent.");
 
   m.def("_stop_all_threads", &stop_all_prealloc_threads, py::call_guard<py::gil_scoped_release>());
   // Prealloc threads must be gone before the interpreter (and the drivers) shut down.

@@ -99,6 +99,14 @@ void bind_allocators(py::module_& m) {
         }
         return to_pylist(out);
       }, py::arg("n"))
+      .def("map_pages", [](PageAllocator& pa, py::handle ids) {
+        auto v = int_list(ids, "ids");
+        py::gil_scoped_release rel;
+        pa.map_pages(v);
+      }, py::arg("ids"),
+           "Map exactly these pages (not in use; reserved ones are taken as they are) and mark them in use. "
+           "All-or-nothing: ValueError for an id out of range, in use or repeated; OutOfMemoryError past the "
+           "limit or the physical memory.")
       .def("free_pages", [](PageAllocator& pa, py::handle ids) {
         auto v = int_list(ids, "ids");
         py::gil_scoped_release rel;

@@ -310,6 +310,50 @@ std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
   return out;
 }
 
+void PageAllocator::map_pages(const std::vector<int64_t>& ids) {
+  std::unique_lock<std::mutex> lk(mu_);
+  check_open();
+  std::set<int64_t> seen;
+  std::vector<int64_t> fresh;
+  for (int64_t p : ids) {
+    if (p < 0 || p >= num_pages_) {
+      throw_value("map_pages: page " + std::to_string(p) + " out of range [0, " + std::to_string(num_pages_) +
+                  "); nothing was mapped.");
+    }
+    if (state_[p] == kInUse) {
+      throw_value("map_pages: page " + std::to_string(p) + " is already in use (unmap or free it first); nothing "
+                  "was mapped.");
+    }
+    if (!seen.insert(p).second) {
+      throw_value("map_pages: page " + std::to_string(p) + " appears twice in one call; nothing was mapped.");
+    }
+    if (state_[p] == kFree) fresh.push_back(p);
+  }
+  if (ids.empty()) return;
+  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  int64_t n = static_cast<int64_t>(ids.size()), limit = limit_.load();
+  if (in_use + n > limit) {
+    throw Error(ErrKind::OutOfMemory, "map_pages(" + std::to_string(n) + " pages): " + std::to_string(in_use) +
+                                          " pages in use and the limit is " + std::to_string(limit) + " (of " +
+                                          std::to_string(num_pages_) +
+                                          "); unmap pages or raise the limit (set_limit_pages / kvctl limit).");
+  }
+  std::sort(fresh.begin(), fresh.end());
+  map_locked(fresh);  // throws with nothing changed
+  for (int64_t p : ids) {
+    if (state_[p] == kFree) {
+      free_.erase(p);
+    } else {
+      reserved_.erase(p);
+    }
+    state_[p] = kInUse;
+  }
+  trimmed_ = false;
+  publish_locked();
+  if (!fresh.empty()) refresh_mem_info();
+  if (thread_.joinable() && static_cast<int64_t>(reserved_.size()) < min_reserved_) cv_.notify_one();
+}
+
 bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
   if (!lk.owns_lock() || closed_.load() || static_cast<int64_t>(reserved_.size()) < n) return false;

@@ -32,6 +32,8 @@ class PageAllocator {
 
   // Blocking calls: the caller must not hold the GIL.
   std::vector<int64_t> alloc_pages(int64_t n);
+  // Maps exactly these pages (free or reserved) and marks them in use; all-or-nothing.
+  void map_pages(const std::vector<int64_t>& ids);
   void free_pages(const std::vector<int64_t>& ids);
   void trim();
   bool set_limit_pages(int64_t n);

@@ -282,16 +282,14 @@ def _explicit_allocator(rt: Runtime, group: KVGroup) -> Any:
         group.allocator = _vmm.PageAllocator(rt.backend, group.vtensors, group.regions,
                                              group.geometry.num_pages, 0, 0, False)
         group.owner = "explicit"
-    if not hasattr(group.allocator, "map_pages"):
-        raise KVCachedStateError(
-            "this build of kvcached._vmm has no PageAllocator.map_pages(ids); explicit map_to_kv_tensors needs it."
-        )
     return group.allocator
 
 
 def map_to_kv_tensors(offsets: list[int], group_id: int = 0) -> bool:
     """Map physical memory at page byte offsets ``offsets`` (``page_id * page_size``) of
-    every layer's K and V of ``group_id``. All-or-nothing; ValueError for a bad offset."""
+    every layer's K and V of ``group_id``. All-or-nothing: ValueError for an offset that is
+    not a page boundary, past the tensors, repeated or already mapped; OutOfMemoryError when
+    physical memory is short. Not for a group a :class:`KVCacheManager` manages."""
     with _lock:
         rt = runtime()
         group = get_group(group_id)

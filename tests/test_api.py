@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 import pytest
@@ -14,6 +15,15 @@ from kvcached.errors import KVCachedStateError
 from kvcached.kv_cache_manager import KVCacheManager
 
 MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def own_host_budget(monkeypatch: pytest.MonkeyPatch):
+    """Host backends share one budget per /dev/shm segment: give each test its own segment."""
+    name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVCACHED_HOST_SHM_NAME", name)
+    yield
+    _vmm.unlink_host_shm(name)
 
 
 @pytest.fixture
@@ -57,7 +67,8 @@ def test_constants_follow_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_IPC_NAME", "my engine/1")
     assert utils.DEFAULT_IPC_NAME == "my-engine-1"
     monkeypatch.delenv("KVCACHED_IPC_NAME")
-    assert utils.DEFAULT_IPC_NAME.startswith(f"kvcached_proc_{os.getpgid(0)}")
+    # the engine tag depends on which engine this process has imported (the e2e tests import vLLM)
+    assert re.match(rf"kvcached_(proc|vLLM|SGLang)_{os.getpgid(0)}(_\d+)?$", utils.DEFAULT_IPC_NAME)
     assert utils.SHM_DIR == "/dev/shm"
     with pytest.raises(AttributeError):
         _ = utils.NO_SUCH_CONSTANT
@@ -117,8 +128,6 @@ def test_manager_waits_for_tensors_made_later(fresh: pytest.MonkeyPatch) -> None
     assert got is not None and len(got) == 5
 
 
-@pytest.mark.skipif(not hasattr(_vmm.PageAllocator, "map_pages"),
-                    reason="explicit map_to_kv_tensors needs PageAllocator.map_pages in kvcached._vmm")
 def test_explicit_map_and_unmap(fresh: pytest.MonkeyPatch) -> None:
     vmm_ops.init_kvcached("cpu", contiguous_layout=False)
     ts = vmm_ops.create_kv_tensors(4 * 2 * MiB, 2, "cpu", 2)
@@ -128,6 +137,34 @@ def test_explicit_map_and_unmap(fresh: pytest.MonkeyPatch) -> None:
     assert int(ts[1][ps:2 * ps].min()) == 7
     assert vmm_ops.unmap_from_kv_tensors([ps])
     assert int(ts[1].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "per_layer"])
+def test_explicit_map_reaches_every_layer_and_rejects_misuse(fresh: pytest.MonkeyPatch, contiguous: bool) -> None:
+    vmm_ops.init_kvcached("cpu", contiguous_layout=contiguous)
+    rt = vmm_ops.runtime()
+    ps, layers, pages = rt.page_size, 3, 4
+    ts = vmm_ops.create_kv_tensors(pages * 2 * ps, 2, "cpu", layers)
+    geom = vmm_ops.get_group(0).geometry
+    backend = rt.backend
+    before = backend.physical_bytes()
+    assert vmm_ops.map_to_kv_tensors([2 * ps, 0])
+    assert backend.physical_bytes() - before == 2 * layers * 2 * ps  # pages 0 and 2 of every layer, K and V
+    for i, r in enumerate(geom.regions()):  # every region of the mapped pages is real, distinct memory
+        for p in (0, 2):
+            ts[r.tensor][r.base + p * r.size : r.base + (p + 1) * r.size].fill_(i + 1)
+    for i, r in enumerate(geom.regions()):
+        for p in (0, 2):
+            assert int(ts[r.tensor][r.base + p * r.size : r.base + (p + 1) * r.size].min()) == i + 1
+    for bad, match in (([ps, ps], "twice"), ([0], "already in use"), ([ps + 1], "multiple of the page size"),
+                       ([pages * ps], "beyond"), ([-ps], "non-negative")):
+        with pytest.raises(ValueError, match=match):
+            vmm_ops.map_to_kv_tensors(bad)
+    with pytest.raises(ValueError, match="not in use"):
+        vmm_ops.unmap_from_kv_tensors([ps])
+    assert vmm_ops.unmap_from_kv_tensors([0, 2 * ps])
+    assert backend.physical_bytes() == before
+    assert all(int(t.count_nonzero()) == 0 for t in ts)
 
 
 @pytest.mark.gpu

@@ -81,3 +81,14 @@ def test_refuses_to_run_in_the_interpreter():
     r = _run(["--targets", "sm90", "--only", "write_kv"], interpret=True)
     assert r.returncode == 2
     assert "TRITON_INTERPRET" in r.stderr
+
+
+def test_attention_compiles_for_amd_and_nvidia():
+    # the plain decode and the all-features prefill; the whole list is CI's own compile_check step
+    only = "attn_decode[bf16-bf16-d128],attn_prefill[bf16-bf16-d128-features]"
+    r = _run(["--targets", "gfx942,sm90", "--only", only])
+    assert r.returncode == 0, r.stdout + r.stderr
+    ok = [ln for ln in r.stdout.splitlines() if ln.startswith("OK")]
+    assert len(ok) == 4, r.stdout
+    assert any("gfx942" in ln and "attn_prefill" in ln and "vgprs=" in ln for ln in ok), r.stdout
+    assert any("sm90" in ln and "attn_decode" in ln for ln in ok), r.stdout

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import os
 import random
 import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 import torch
@@ -19,6 +21,15 @@ vmm = pytest.importorskip("kvcached._vmm")
 
 MiB = 1 << 20
 U = 2 * MiB
+
+
+@pytest.fixture(autouse=True)
+def own_host_budget(monkeypatch: pytest.MonkeyPatch):
+    """Host backends share one budget per /dev/shm segment: give each test its own segment."""
+    name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVCACHED_HOST_SHM_NAME", name)
+    yield
+    vmm.unlink_host_shm(name)
 
 
 def host(limit_mb: int = 256) -> vmm.Backend:

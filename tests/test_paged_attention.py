@@ -115,7 +115,8 @@ def test_block_sizes(block_size):
     run_case(block_size=block_size, layout="per_layer", q_lens=[1, 9, 1], seq_lens=[150, 40, 129], seed=4)
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1), (6, 3)])
+# (36, 1): a group of 36 takes three decode programs per KV head (16 + 16 + 4 query heads)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1), (6, 3), (36, 1)])
 def test_gqa_mqa(num_heads, num_kv_heads):
     run_case(num_heads=num_heads, num_kv_heads=num_kv_heads, seed=5, **_features("all", num_heads))
 

@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from kvcached.kernels import attention_config as cfg
-from kvcached.kernels.paged_attention import compile_variants, paged_attention
+from kvcached.kernels.paged_attention import (
+    BLOCK_SIZES,
+    HEAD_SIZES,
+    QUERY_DTYPES,
+    _target_info,
+    compile_variants,
+    paged_attention,
+    select,
+    target_fp8,
+    variant_key,
+)
 from kvcached.kernels.reference import paged_kv_case, random_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,12 +164,17 @@ def test_unknown_knob_raises():
         pass
 
 
-@pytest.mark.parametrize("target", ["sm80", "sm90", "gfx942", "gfx90a", "gfx950"])
+TARGETS = ["sm80", "sm90", "gfx942", "gfx90a", "gfx950"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_compile_variants_per_target(target):
     variants = compile_variants(target)
     names = [v.name for v in variants]
     assert len(names) == len(set(names))
+    assert len({variant_key(v) for v in variants}) == len(variants)
     ptr_types = {t for v in variants for t in v.signature.values()}
+    # one fp8 rule with write_kv: e4m3fn on sm89+ and gfx950, e4m3fnuz on gfx942, none on sm80/gfx90a
     assert ("*fp8e4nv" in ptr_types) == (target in ("sm90", "gfx950"))
     assert ("*fp8e4b8" in ptr_types) == (target == "gfx942")
     kernels = {v.fn.__name__ for v in variants}
@@ -169,8 +184,70 @@ def test_compile_variants_per_target(target):
         assert not set(v.signature) & set(v.constexprs)
         assert set(v.signature) | set(v.constexprs) == set(v.fn.arg_names)
     assert {v.constexprs["HEAD_SIZE"] for v in variants} == {32, 64, 80, 96, 128, 256}
-    assert {v.constexprs["BLOCK_SIZE"] for v in variants if "BLOCK_SIZE" in v.constexprs} == {16, 32, 64, 128}
-    assert {v.constexprs.get("SPLIT") for v in variants} >= {True, False}
+    # block size, group, split count and feature values are run-time arguments: a small, fixed list
+    pairs = 4 if target in ("sm90", "gfx942", "gfx950") else 2
+    assert len(variants) == pairs * 6 * 4 + 2 * 6
+
+
+def _feature_sets():
+    # every subset of (window, softcap, alibi, sinks) x causal on/off (a window needs causal)
+    for mask in range(16):
+        window, softcap, alibi, sinks = (bool(mask >> i & 1) for i in range(4))
+        for causal in (True, False):
+            if window and not causal:
+                continue
+            yield {"causal": causal, "window": 13 if window else 0, "softcap": 2.5 if softcap else 0.0,
+                   "alibi": alibi, "sinks": sinks}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_dispatcher_choice_is_compiled(target):
+    """The compile check is honest: whatever the inputs, the dispatcher only picks listed variants."""
+    listed = {variant_key(v) for v in compile_variants(target)}
+    hip, big_smem = _target_info(target)
+    fp8 = target_fp8(target)
+    chosen = set()
+    calls = 0
+    for qdt in QUERY_DTYPES:
+        for kdt in [qdt, *fp8]:
+            for head in HEAD_SIZES:
+                for block in BLOCK_SIZES:
+                    for group in (1, 7, 33):
+                        for feats in _feature_sets():
+                            for max_query_len in (1, 300):
+                                for num_splits, fused in ((1, False), (37, False), (128, True)):
+                                    plan = select(qdt, kdt, head, block, group, max_query_len=max_query_len,
+                                                  num_splits=num_splits, fused=fused, hip=hip, big_smem=big_smem,
+                                                  interp=False, **feats)
+                                    calls += 1
+                                    kinds = [v.fn.__name__ for v in plan]
+                                    assert kinds[0] == "decode_kernel"
+                                    assert ("reduce_kernel" in kinds) == (num_splits > 1 and not fused)
+                                    assert ("prefill_kernel" in kinds) == (max_query_len > 1)
+                                    for v in plan:
+                                        key = variant_key(v)
+                                        assert key in listed, f"{target}: {v.name} {v.constexprs} not listed"
+                                        chosen.add(key)
+    assert calls > 10_000
+    assert chosen == listed  # nothing listed that the dispatcher never picks
+
+
+@pytest.mark.parametrize("target", ["sm80", "gfx90a", "gfx1100"])
+def test_no_fp8_on_targets_without_it(target):
+    assert target_fp8(target) == []
+
+
+def test_fp8_refused_on_a_gpu_without_it(monkeypatch):
+    import kvcached.kernels.paged_attention as pa
+
+    args, kw = _case()
+    q, k, v, bt, sl, qsl = args
+    # pretend the tensors live on an A100-class GPU: validation must refuse fp8 before any launch
+    monkeypatch.setattr(pa, "_fp8_kv_dtypes", lambda dev: ())
+    monkeypatch.setattr(pa, "device_target", lambda dev: "sm80")
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="no fp8 support"):
+        paged_attention(q, k8, v8, bt, sl, qsl, k_scale=1.0, v_scale=1.0, **kw)
 
 
 def test_compile_variants_unknown_target():

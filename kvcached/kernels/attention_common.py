@@ -6,6 +6,11 @@ contiguous layout's block stride times a block id overflows int32), scores them
 against the ``BLOCK_M`` query rows and folds them into the online softmax.
 Scores are kept in the log2 domain (``log2(e)`` is folded into the scale) so the
 exponentials are ``exp2``.
+
+The block size is a run-time value (``bs_shift`` = log2(block_size): block sizes are
+powers of two), and so are the features (``causal``, ``window`` 0 = off, ``softcap``
+0 = off, ALiBi through ``slope`` = 0 when off): only ``FEATURES`` (a constexpr) decides
+whether their code exists at all, so the plain causal path carries none of it.
 """
 
 from __future__ import annotations
@@ -45,31 +50,32 @@ def attn_tile(
     qk_scale,
     softcap,
     window,
+    causal,
+    bs_shift,
     d,
     d_mask,
     BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     PAD_D: tl.constexpr,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
-    SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
+    FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """``k_ptr``/``v_ptr`` already point at the KV head; ``bt_row_ptr`` at the block-table row.
 
     ``MASK`` False means every key of the tile is visible to every row and lies
-    below ``key_hi`` (interior tiles): no per-key masks at all.
+    below ``key_hi`` (interior tiles): no per-key masks at all. Without ``FEATURES``
+    the mask is causal when ``CAUSAL``; with ``FEATURES`` the run-time ``causal``,
+    ``window``, ``softcap`` and ``slope`` decide.
     """
     keys = start + tl.arange(0, BLOCK_N)
     if MASK:
         in_range = keys < key_hi
-        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        blk = tl.load(bt_row_ptr + (keys >> bs_shift), mask=in_range, other=0).to(tl.int64)
     else:
-        blk = tl.load(bt_row_ptr + keys // BLOCK_SIZE).to(tl.int64)
-    off = (keys % BLOCK_SIZE).to(tl.int64)
+        blk = tl.load(bt_row_ptr + (keys >> bs_shift)).to(tl.int64)
+    off = (keys & ((1 << bs_shift) - 1)).to(tl.int64)
     k_rows = k_ptr + blk * stride_kb + off * stride_kt
     v_rows = v_ptr + blk * stride_vb + off * stride_vt
     if MASK:
@@ -89,17 +95,20 @@ def attn_tile(
     else:
         s = tl.dot(q, tl.trans(k))
     s = s * qk_scale
-    if SOFTCAP:
-        s = softcap * tanh_f32(s / softcap) * LOG2E
-    if ALIBI:
+    if FEATURES:
+        if softcap > 0:
+            # s is log2(e) * x; softcap applies to x: cap * tanh(x / cap), kept in the log2 domain
+            cap2 = softcap * LOG2E
+            s = cap2 * tanh_f32(s / cap2)
         rel = (keys[None, :] - q_pos[:, None]).to(tl.float32)
-        s = s + slope[:, None] * rel
+        s = s + slope[:, None] * rel  # slope 0 without ALiBi
     if MASK:
         visible = in_range[None, :]
-        if CAUSAL:
+        if FEATURES:
+            visible = visible & ((keys[None, :] <= q_pos[:, None]) | (causal == 0))
+            visible = visible & ((keys[None, :] > q_pos[:, None] - window) | (window == 0))
+        elif CAUSAL:
             visible = visible & (keys[None, :] <= q_pos[:, None])
-        if SLIDING:
-            visible = visible & (keys[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)

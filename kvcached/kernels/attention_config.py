@@ -77,6 +77,37 @@ def override(**knobs: int) -> Iterator[None]:
         _OVERRIDES.update(saved)
 
 
+def has_overrides() -> bool:
+    return bool(_OVERRIDES)
+
+
+def decode_tile(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> DecodeConfig:
+    """The decode kernel's tile and options for a target, with any :func:`override` knobs applied."""
+    base = decode_base(head_pad, kv_itemsize, hip, interp)
+    if not _OVERRIDES:
+        return base
+    o = _OVERRIDES
+    return replace(base, block_n=o.get("decode_block_n", base.block_n),
+                   num_warps=o.get("decode_num_warps", base.num_warps),
+                   num_stages=o.get("decode_num_stages", base.num_stages),
+                   waves_per_eu=o.get("decode_waves_per_eu", base.waves_per_eu))
+
+
+def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool) -> PrefillConfig:
+    """The prefill kernel's tile and options for a target, with any :func:`override` knobs applied."""
+    # One tile per head size (no smaller tiles for short chunks): every extra tile is one more
+    # compile per dtype pair x head size x target for the ahead-of-time check.
+    base = prefill_base(head_pad, kv_itemsize, hip, big_smem, interp)
+    if not _OVERRIDES:
+        return base
+    o = _OVERRIDES
+    return replace(base, block_m=o.get("prefill_block_m", base.block_m),
+                   block_n=o.get("prefill_block_n", base.block_n),
+                   num_warps=o.get("prefill_num_warps", base.num_warps),
+                   num_stages=o.get("prefill_num_stages", base.num_stages),
+                   waves_per_eu=o.get("prefill_waves_per_eu", base.waves_per_eu))
+
+
 @functools.lru_cache(maxsize=16)
 def num_compute_units(device_index: int) -> int:
     """SMs (NVIDIA) or CUs (AMD); a small stand-in in the CPU interpreter."""
@@ -98,8 +129,9 @@ def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip:
 
 
 @functools.lru_cache(maxsize=1024)
-def _decode_base(head_pad: int, block_h: int, kv_itemsize: int, hip: bool) -> DecodeConfig:
-    if interpreting():
+def decode_base(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> DecodeConfig:
+    """The decode tile and launch options for a target (``num_splits`` is chosen per call)."""
+    if interp:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=1, num_splits=1)
     if hip:
         # MI300: 64-wide waves, no cp.async pipelining; fewer stages, 1 wave per EU target off.
@@ -122,22 +154,14 @@ def decode_config(
 def _decode_config(
     num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int, device_index: int
 ) -> DecodeConfig:
+    # num_kv_heads: programs per sequence (KV heads x head chunks); block_h is kept for callers' sake
     hip = is_hip()
-    base = _decode_base(head_pad, block_h, kv_itemsize, hip)
-    o = _OVERRIDES
-    block_n = o.get("decode_block_n", base.block_n)
-    splits = o.get("decode_num_splits")
+    tile = decode_tile(head_pad, kv_itemsize, hip, interpreting())
+    splits = _OVERRIDES.get("decode_num_splits")
     if splits is None:
         units = num_compute_units(device_index)
-        splits = _pick_splits(num_seqs * num_kv_heads, max_seq_len, block_n, units, hip)
-    return replace(
-        base,
-        block_n=block_n,
-        num_warps=o.get("decode_num_warps", base.num_warps),
-        num_stages=o.get("decode_num_stages", base.num_stages),
-        num_splits=max(1, int(splits)),
-        waves_per_eu=o.get("decode_waves_per_eu", base.waves_per_eu),
-    )
+        splits = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip)
+    return replace(tile, num_splits=max(1, int(splits)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -153,8 +177,9 @@ def large_shared_memory(device_index: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool = False) -> PrefillConfig:
-    if interpreting():
+def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool) -> PrefillConfig:
+    """The prefill tile and launch options for a target: one per head size, whatever the query length."""
+    if interp:
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     if hip:
         if head_pad <= 64:
@@ -180,21 +205,7 @@ def prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int, device_i
 
 
 def _prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int, device_index: int) -> PrefillConfig:
-    base = _prefill_base(head_pad, kv_itemsize, is_hip(), large_shared_memory(device_index))
-    o = _OVERRIDES
-    block_m = o.get("prefill_block_m", base.block_m)
-    if "prefill_block_m" not in o and not interpreting():
-        # short chunks (speculative / small chunked prefill) waste most of a 128-row tile
-        while block_m > 16 and block_m // 2 >= max_query_len:
-            block_m //= 2
-    return replace(
-        base,
-        block_m=block_m,
-        block_n=o.get("prefill_block_n", base.block_n),
-        num_warps=o.get("prefill_num_warps", base.num_warps if block_m >= 64 else min(4, base.num_warps)),
-        num_stages=o.get("prefill_num_stages", base.num_stages),
-        waves_per_eu=o.get("prefill_waves_per_eu", base.waves_per_eu),
-    )
+    return prefill_tile(head_pad, kv_itemsize, is_hip(), large_shared_memory(device_index), interpreting())
 
 
 def fused_reduce(device: torch.device) -> bool:
@@ -212,10 +223,13 @@ def fused_reduce(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def launch_options(num_warps: int, num_stages: int, waves_per_eu: int) -> dict[str, int]:
+def launch_options(num_warps: int, num_stages: int, waves_per_eu: int, hip: bool | None = None,
+                   interp: bool | None = None) -> dict[str, int]:
     """Keyword options for a kernel launch; ``waves_per_eu`` only where Triton-ROCm takes it."""
     opts = {"num_warps": num_warps, "num_stages": num_stages}
-    if is_hip() and waves_per_eu and not interpreting():
+    hip = is_hip() if hip is None else hip
+    interp = interpreting() if interp is None else interp
+    if hip and waves_per_eu and not interp:
         opts["waves_per_eu"] = waves_per_eu
     return opts
 

@@ -5,6 +5,10 @@ a program whose tile lies past its sequence's query length returns at once, so n
 host synchronization is needed. Tiles are visited last-first so the long causal
 tiles start early. Key tiles are split in three runs: masked tiles at the
 sliding-window edge, unmasked interior tiles, masked tiles at the diagonal.
+
+Group size and block size are run-time values. ``FEATURES`` False is the plain
+causal kernel; ``FEATURES`` True reads ``causal``, ``window`` (0 = off), ``softcap``
+(0 = off), ``has_alibi`` and ``has_sinks`` at run time.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ import triton.language as tl
 
 from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
+# run-time scalars whose value must not make Triton compile another specialisation
+_NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_NO_SPECIALISE)
 def prefill_kernel(
     q_ptr,
     k_ptr,
@@ -31,6 +38,11 @@ def prefill_kernel(
     sm_scale,
     softcap,
     window,
+    causal,
+    has_alibi,
+    has_sinks,
+    group,
+    bs_shift,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -42,33 +54,25 @@ def prefill_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
-    GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SKIP_DECODE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    SINKS: tl.constexpr,
+    FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
-    kv_head = head // GROUP
+    kv_head = head // group
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     m0 = tile * BLOCK_M
     if m0 >= q_len:
         return
-    if SKIP_DECODE:
-        if q_len == 1:  # the decode kernel handles single-token sequences
-            return
+    if q_len == 1:  # the decode kernel handles single-token sequences
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
 
@@ -85,37 +89,34 @@ def prefill_kernel(
         other=0.0,
     )
 
-    qk_scale = sm_scale
+    qk_scale = sm_scale * LOG2E
     if FP8_KV:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-    if not SOFTCAP:
-        qk_scale = qk_scale * LOG2E
-    if ALIBI:
-        slope = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(alibi_ptr + head) * LOG2E
-    else:
-        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
-
-    if SINKS:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-    else:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if FEATURES:
+        if has_alibi != 0:
+            slope = slope + tl.load(alibi_ptr + head) * LOG2E
+        if has_sinks != 0:
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
     # Keys some row of the tile sees: [lo, hi). Keys every row sees: [full_lo, full_hi).
     pos_first = ctx + m0
     pos_last = ctx + tl.minimum(m0 + BLOCK_M, q_len) - 1
-    hi = seq_len
-    full_hi = seq_len
-    if CAUSAL:
-        hi = pos_last + 1
-        full_hi = pos_first + 1
-    lo = 0
-    full_lo = 0
-    if SLIDING:
-        lo = tl.maximum(pos_first - window + 1, 0)
-        full_lo = tl.maximum(pos_last - window + 1, 0)
+    hi = pos_last + 1
+    full_hi = pos_first + 1
+    lo = seq_len * 0
+    full_lo = seq_len * 0
+    if FEATURES:
+        if causal == 0:
+            hi = seq_len
+            full_hi = seq_len
+        if window > 0:
+            lo = tl.maximum(pos_first - window + 1, 0)
+            full_lo = tl.maximum(pos_last - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     full_lo = tl.minimum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
     full_hi = tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_lo)
@@ -126,20 +127,20 @@ def prefill_kernel(
     for start in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = attn_tile(
             acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, d, d_mask,
-            BLOCK_N, BLOCK_SIZE, PAD_D, True, CAUSAL, SLIDING, SOFTCAP, ALIBI, FP8_KV, INTERP,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
+            BLOCK_N, PAD_D, True, True, FEATURES, FP8_KV, INTERP,
         )  # fmt: skip
     for start in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = attn_tile(
             acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, d, d_mask,
-            BLOCK_N, BLOCK_SIZE, PAD_D, False, CAUSAL, SLIDING, SOFTCAP, ALIBI, FP8_KV, INTERP,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
+            BLOCK_N, PAD_D, False, True, FEATURES, FP8_KV, INTERP,
         )  # fmt: skip
     for start in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = attn_tile(
             acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, d, d_mask,
-            BLOCK_N, BLOCK_SIZE, PAD_D, True, CAUSAL, SLIDING, SOFTCAP, ALIBI, FP8_KV, INTERP,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
+            BLOCK_N, PAD_D, True, True, FEATURES, FP8_KV, INTERP,
         )  # fmt: skip
 
     if FP8_KV:

@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                          "mla_decode:mla_reduce, attn_decode[bf16); a module's own problems count only when a "
                          "pattern names it")
     ap.add_argument("--modules", default="", help="comma-separated extra modules exposing compile_variants(target)")
-    ap.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="compile processes (default: the number of CPUs)")
     args = ap.parse_args(argv)
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

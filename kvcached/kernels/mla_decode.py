@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, interpreting, is_hip
+from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, direct_launch_ok, interpreting, is_hip
 from kvcached.kernels.write_kv import unit_scale
 
 _LOG2E = 1.4426950408889634
@@ -166,9 +166,9 @@ def override(**knobs: int) -> Iterator[None]:
 def launch_config(num_heads: int, hip: bool) -> dict[str, int]:
     """Heads per program, KV tile, warps and stages (per vendor: HIP has 64 KiB of LDS on gfx942)."""
     block_h = 16 if num_heads <= 16 else 32
-    # CUDA: 4 warps spill the [16, 512] fp32 accumulator (sm90 ptxas: 255 regs + stack), 8 do not
-    cfg = {"BLOCK_H": block_h, "BLOCK_N": 16 if hip else 32, "num_warps": 4 if hip and block_h == 16 else 8,
-           "num_stages": 2}
+    # CUDA: 4 warps spill part of the [16, 512] fp32 accumulator on sm90, yet measured 1.3-1.6x faster than
+    # 8 on the H200 (benchmarks/_tune_mla.py, 2026-11-30: b32 h16 8k 216 -> 153 us; b128 h16 4k 403 -> 282 us).
+    cfg = {"BLOCK_H": block_h, "BLOCK_N": 16 if hip else 32, "num_warps": 4, "num_stages": 2}
     if hip:
         cfg["waves_per_eu"] = 1
     for key in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu"):
@@ -194,8 +194,7 @@ def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: t
     return max(1, min(want, by_len, _OVERRIDES.get("max_splits", 128)))
 
 
-@torch.library.custom_op("kvcached::paged_mla_decode", mutates_args=("out",))
-def _paged_mla_decode_op(
+def _launch(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -234,6 +233,21 @@ def _paged_mla_decode_op(
             part, lse, out, num_heads, num_splits, *out.stride(),
             KV_LORA=kv_lora_rank, BLOCK_DV=block_dv, num_warps=4,
         )
+
+
+@torch.library.custom_op("kvcached::paged_mla_decode", mutates_args=("out",))
+def _paged_mla_decode_op(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    kv_scale: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int,
+) -> None:
+    _launch(query, kv_cache, block_table, seq_lens, out, kv_scale, scale, kv_lora_rank, num_splits)
 
 
 @_paged_mla_decode_op.register_fake
@@ -327,8 +341,11 @@ def paged_mla_decode(
         num_splits = choose_num_splits(query.shape[0], query.shape[1], max_seq_len, query.device, block_h)
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}.")
-    torch.ops.kvcached.paged_mla_decode(query, kv_cache, block_table, seq_lens, out, ks, float(scale),
-                                        kv_lora_rank, num_splits)
+    if direct_launch_ok(query):
+        _launch(query, kv_cache, block_table, seq_lens, out, ks, float(scale), kv_lora_rank, num_splits)
+    else:
+        torch.ops.kvcached.paged_mla_decode(query, kv_cache, block_table, seq_lens, out, ks, float(scale),
+                                            kv_lora_rank, num_splits)
     return out
 
 

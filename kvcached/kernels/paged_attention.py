@@ -11,6 +11,7 @@ plain eager calls skip its dispatcher, whose host cost exceeds a small decode.
 
 # No ``from __future__ import annotations``: torch.library reads the op's annotations.
 
+import functools
 import math
 
 import torch
@@ -19,7 +20,8 @@ import triton
 from kvcached.kernels import attention_config as cfg
 from kvcached.kernels.attention_decode import decode_kernel, reduce_kernel
 from kvcached.kernels.attention_prefill import prefill_kernel
-from kvcached.kernels.platform import CompileVariant, interpreting, is_hip
+from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, interpreting, is_hip
+from kvcached.kernels.write_kv import _target_fp8 as _write_kv_target_fp8
 
 HEAD_SIZES = (32, 64, 80, 96, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -28,14 +30,30 @@ QUERY_DTYPES = (torch.float16, torch.bfloat16)
 Scale = torch.Tensor | float | None
 
 
+BLOCK_H = 16  # query heads per decode program (a larger group takes several programs per KV head)
+
+
+@functools.lru_cache(maxsize=16)
+def device_target(device: torch.device) -> str:
+    """The compile target name of ``device``: ``sm90``, ``gfx942``...; ``cpu`` for the interpreter."""
+    if device.type != "cuda":
+        return "cpu"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    if is_hip():
+        return str(getattr(props, "gcnArchName", "gfx")).split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
 def _fp8_kv_dtypes(device: torch.device) -> tuple:
     if device.type == "cpu":  # the interpreter handles both
         return (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-    if is_hip():
-        return (torch.float8_e4m3fnuz, torch.float8_e4m3fn)
-    if torch.cuda.get_device_capability(device) < (8, 9):  # no fp8 conversions before Ada/Hopper
-        return ()
-    return (torch.float8_e4m3fn,)
+    return tuple(target_fp8(device_target(device)))
+
+
+def target_fp8(target: str) -> list:
+    """The fp8 KV dtype of ``target``, one rule with write_kv and mla_decode (none on sm80 and gfx90a)."""
+    return _write_kv_target_fp8(target)
 
 
 def _fail(msg: str) -> None:
@@ -154,7 +172,11 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         _fail(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}.")
     if kv_dtype != query.dtype and kv_dtype not in _fp8_kv_dtypes(dev):
-        names = ", ".join(str(d) for d in _fp8_kv_dtypes(dev)) or "none on this GPU"
+        allowed = _fp8_kv_dtypes(dev)
+        if kv_dtype in FP8_DTYPES and not allowed:
+            _fail(f"KV cache dtype {kv_dtype}: this GPU ({device_target(dev)}) has no fp8 support in these kernels "
+                  f"(fp8 KV needs sm89+ or gfx942/gfx950); use a {query.dtype} cache.")
+        names = ", ".join(str(d) for d in allowed) or "none on this GPU"
         _fail(f"KV cache dtype {kv_dtype} must equal the query's ({query.dtype}) or be this GPU's fp8 "
               f"({names}).")
     if query.stride(2) != 1:
@@ -209,6 +231,56 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
             _fail("out's head_size dimension must have stride 1.")
 
 
+def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_size: int, group: int, *,
+           causal: bool, window: int, softcap: float, alibi: bool, sinks: bool, max_query_len: int, num_splits: int,
+           fused: bool, hip: bool, big_smem: bool, interp: bool) -> tuple:
+    """The dispatcher: the kernels (with constexprs and options) one call launches, in order.
+
+    Everything the dispatcher sees goes in; a tuple of ``CompileVariant`` comes out (decode,
+    then the split reduce when ``num_splits > 1`` and not ``fused``, then prefill when
+    ``max_query_len > 1``). Block size, group size, split count and feature values are
+    run-time kernel arguments: only dtypes, head size and "any feature" pick a compile.
+    ``compile_variants`` lists exactly what this can return for a target.
+    """
+    if cfg.has_overrides():
+        return _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
+                       max_query_len, num_splits, fused, hip, big_smem, interp)
+    return _select_cached(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
+                          max_query_len, num_splits, fused, hip, big_smem, interp)
+
+
+def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks, max_query_len,
+            num_splits, fused, hip, big_smem, interp) -> tuple:
+    qt, kt = _TRITON_DTYPE[q_dtype], _TRITON_DTYPE[kv_dtype]
+    head_pad = triton.next_power_of_2(head_size)
+    fp8 = kv_dtype != q_dtype
+    itemsize = 1 if fp8 else 2
+    decode_features = window > 0 or softcap > 0 or alibi or sinks
+    features = decode_features or not causal
+    feat = "-features" if features else ""
+    out = []
+    dc = cfg.decode_tile(head_pad, itemsize, hip, interp)
+    const = {"BLOCK_H": BLOCK_H, "HEAD_SIZE": head_size, "HEAD_PAD": head_pad, "BLOCK_N": dc.block_n,
+             "FEATURES": decode_features, "FP8_KV": fp8, "INTERP": interp}
+    out.append(CompileVariant(f"attn_decode[{qt}-{kt}-d{head_size}{'-features' if decode_features else ''}]",
+                              decode_kernel, _signature(decode_kernel, qt, kt), const,
+                              cfg.launch_options(dc.num_warps, dc.num_stages, dc.waves_per_eu, hip, interp)))
+    if num_splits > 1 and not fused:
+        out.append(CompileVariant(f"attn_reduce[{qt}-d{head_size}]", reduce_kernel, _signature(reduce_kernel, qt, kt),
+                                  {"HEAD_SIZE": head_size, "HEAD_PAD": head_pad}, {"num_warps": 4, "num_stages": 1}))
+    if max_query_len > 1:
+        pc = cfg.prefill_tile(head_pad, itemsize, hip, big_smem, interp)
+        const = {"HEAD_SIZE": head_size, "HEAD_PAD": head_pad, "BLOCK_M": pc.block_m, "BLOCK_N": pc.block_n,
+                 "FEATURES": features, "FP8_KV": fp8, "INTERP": interp}
+        out.append(CompileVariant(f"attn_prefill[{qt}-{kt}-d{head_size}{feat}]", prefill_kernel,
+                                  _signature(prefill_kernel, qt, kt), const,
+                                  cfg.launch_options(pc.num_warps, pc.num_stages, pc.waves_per_eu, hip, interp)))
+    return tuple(out)
+
+
+_select_cached = functools.lru_cache(maxsize=4096)(_select)
+
+
 def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len, max_seq_len,
             scale, causal, sliding_window, softcap, alibi_slopes, sinks, k_scale, v_scale) -> None:
     num_tokens, num_heads, head_size = query.shape
@@ -226,50 +298,52 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     ks = k_scale if fp8 else dummy
     vs = v_scale if fp8 else dummy
     interp = interpreting()
-    flags = dict(SLIDING=sliding_window > 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-                 SINKS=sinks is not None, FP8_KV=fp8, INTERP=interp)
+    hip = is_hip()
     q_strides = query.stride()[:2]
     ks_, vs_ = k_cache.stride(), v_cache.stride()
     kv_strides = (ks_[0], ks_[1], ks_[2], vs_[0], vs_[1], vs_[2])
     o_strides = out.stride()[:2]
     dev_index = dev.index if dev.type == "cuda" and dev.index is not None else 0
+    bs_shift = block_size.bit_length() - 1  # block sizes are powers of two (validated)
+    has_alibi = int(alibi_slopes is not None)
+    has_sinks = int(sinks is not None)
 
-    block_h = max(16, triton.next_power_of_2(group))
-    dc = cfg.decode_config(num_seqs, num_kv_heads, head_pad, block_h, k_cache.element_size(), max_seq_len, dev_index)
-    split = dc.num_splits > 1
-    fused = split and cfg.fused_reduce(dev)
-    splits_pad = max(2, triton.next_power_of_2(dc.num_splits))
+    chunks = triton.cdiv(group, BLOCK_H)
+    dc = cfg.decode_config(num_seqs, num_kv_heads * chunks, head_pad, BLOCK_H, k_cache.element_size(), max_seq_len,
+                           dev_index)
+    num_splits = dc.num_splits
+    fused = num_splits > 1 and cfg.fused_reduce(dev)
+    plan = select(query.dtype, k_cache.dtype, head_size, block_size, group, causal=causal, window=sliding_window,
+                  softcap=softcap, alibi=alibi_slopes is not None, sinks=sinks is not None,
+                  max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
+                  big_smem=cfg.large_shared_memory(dev_index), interp=interp)
     lock = dummy
-    if split:
+    if num_splits > 1:
         # one workspace: [num_seqs, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs
-        part = torch.empty(num_seqs * num_heads * dc.num_splits * (head_pad + 2), dtype=torch.float32, device=dev)
+        part = torch.empty(num_seqs * num_heads * num_splits * (head_pad + 2), dtype=torch.float32, device=dev)
         if fused:
-            lock = _lock_buffer(dev, num_seqs * num_kv_heads)
+            lock = _lock_buffer(dev, num_seqs * num_kv_heads * chunks)
     else:
         part = dummy
-    decode_kernel[(num_seqs, num_kv_heads, dc.num_splits)](
-        query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
-        part, lock, scale, softcap, sliding_window, dc.num_splits,
-        *q_strides, *kv_strides, *o_strides, block_table.stride(0),
-        GROUP=group, BLOCK_H=block_h, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=dc.block_n, SPLIT=split, FUSED=fused, SPLITS_PAD=splits_pad if fused else 2, **flags, **dc.options,
-    )
-    if split and not fused:
-        reduce_kernel[(num_seqs, num_heads)](
-            out, query_start_loc, sink_t, part, dc.num_splits, *o_strides,
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=splits_pad,
-            SINKS=sinks is not None, num_warps=4, num_stages=1,
-        )
-    if max_query_len > 1:
-        pc = cfg.prefill_config(head_pad, k_cache.element_size(), max_query_len, dev_index)
-        grid = (triton.cdiv(max_query_len, pc.block_m), num_heads, num_seqs)
-        prefill_kernel[grid](
-            query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
-            scale, softcap, sliding_window,
-            *q_strides, *kv_strides, *o_strides, block_table.stride(0),
-            GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-            BLOCK_M=pc.block_m, BLOCK_N=pc.block_n, SKIP_DECODE=True, CAUSAL=causal, **flags, **pc.options,
-        )
+    for v in plan:
+        if v.fn is decode_kernel:
+            decode_kernel[(num_seqs, num_kv_heads * chunks, num_splits)](
+                query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
+                part, lock, scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
+                num_splits, int(fused), *q_strides, *kv_strides, *o_strides, block_table.stride(0),
+                **v.constexprs, **v.options,
+            )
+        elif v.fn is reduce_kernel:
+            reduce_kernel[(num_seqs, num_heads)](
+                out, query_start_loc, sink_t, part, num_splits, has_sinks, *o_strides, **v.constexprs, **v.options,
+            )
+        else:
+            grid = (triton.cdiv(max_query_len, v.constexprs["BLOCK_M"]), num_heads, num_seqs)
+            prefill_kernel[grid](
+                query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
+                scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
+                *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
+            )
 
 
 @torch.library.custom_op("kvcached::paged_attention", mutates_args=("out",))
@@ -372,113 +446,71 @@ def paged_attention(
 
 # -- ahead-of-time compile list ------------------------------------------------------------------
 _TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv",
-                 torch.float8_e4m3fnuz: "fp8e4b8"}
-_FEATURES = ("SLIDING", "SOFTCAP", "ALIBI", "SINKS")
-_SHORT = {"SLIDING": "window", "SOFTCAP": "softcap", "ALIBI": "alibi", "SINKS": "sinks"}
+                 torch.float8_e4m3fnuz: "fp8e4b8", torch.float8_e5m2: "fp8e5"}
+_FP_ARGS = ("sm_scale", "softcap")
+_PTR_Q = ("q_ptr", "out_ptr")
+_PTR_KV = ("k_ptr", "v_ptr")
+_PTR_I32 = ("block_table_ptr", "seq_lens_ptr", "qsl_ptr", "lock_ptr")
 
 
-def _target_fp8(target: str) -> torch.dtype | None:
-    if target.startswith("gfx"):
-        if target in ("gfx90a", "gfx908", "gfx1100"):  # no fp8 hardware: not offered
-            return None
-        return torch.float8_e4m3fn if target in ("gfx950",) or target.startswith("gfx12") else torch.float8_e4m3fnuz
+@functools.lru_cache(maxsize=256)
+def _signature_cached(fn, qt: str, kt: str) -> tuple:
+    sig = {}
+    for name in fn.arg_names:
+        if name.isupper():
+            continue  # constexprs
+        if name in _PTR_Q:
+            sig[name] = f"*{qt}"
+        elif name in _PTR_KV:
+            sig[name] = f"*{kt}"
+        elif name in _PTR_I32:
+            sig[name] = "*i32"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"
+        elif name in _FP_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return tuple(sig.items())
+
+
+def _signature(fn, qt: str, kt: str) -> dict:
+    return dict(_signature_cached(fn, qt, kt))
+
+
+def _target_info(target: str) -> tuple[bool, bool]:
+    """(hip, large shared memory) of a compile target name; ValueError for an unknown one."""
+    if target.startswith("gfx") and len(target) > 3:
+        return True, False
     if target.startswith("sm") and target[2:].isdigit():
-        return torch.float8_e4m3fn if int(target[2:]) >= 89 else None
+        return False, target in ("sm90", "sm100")  # >= 200 KiB shared memory per block
     raise ValueError(f"unknown compile target {target!r}; use e.g. sm80, sm90, gfx942, gfx90a, gfx950.")
 
 
-def _large_smem_target(target: str) -> bool:
-    return target in ("sm90", "sm90a", "sm100", "sm100a")  # >= 200 KiB shared memory per block
+def compile_variants(target: str) -> list[CompileVariant]:
+    """Every kernel specialisation the dispatcher (:func:`select`) can pick on ``target`` (``sm90``, ``gfx942``...).
 
-
-def _common_sig(qt: str, kt: str) -> dict:
-    sig = {"q_ptr": f"*{qt}", "k_ptr": f"*{kt}", "v_ptr": f"*{kt}", "out_ptr": f"*{qt}",
-           "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "alibi_ptr": "*fp32",
-           "sinks_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
-    return sig
-
-
-_STRIDES = ("stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
-            "stride_vh", "stride_ot", "stride_oh", "stride_bt")
-
-
-def _variants_for(target: str, qdt: torch.dtype, kdt: torch.dtype, head: int, block: int, group: int,
-                  features: dict, causal: bool) -> list:
-    hip = target.startswith("gfx")
-    qt, kt = _TRITON_DTYPE[qdt], _TRITON_DTYPE[kdt]
-    head_pad = triton.next_power_of_2(head)
-    fp8 = kdt != qdt
-    flags = {**features, "FP8_KV": fp8, "INTERP": False}
-    on = [_SHORT[k] for k, v in features.items() if v]
-    tag = f"{qt}-{kt}-d{head}-b{block}-g{group}" + "".join("-" + n for n in on)
-    out = []
-    block_h = max(16, triton.next_power_of_2(group))
-    dbase = cfg._decode_base.__wrapped__(head_pad, block_h, 1 if fp8 else 2, hip)
-    # no split; split merged in-kernel (128 splits: the widest merge); split + reduce_kernel
-    for split, fused, suffix in ((False, False, ""), (True, True, "-split"), (True, False, "-split-reduce")):
-        sig = _common_sig(qt, kt)
-        sig.update({"part_ptr": "*fp32", "lock_ptr": "*i32", "sm_scale": "fp32", "softcap": "fp32", "window": "i32",
-                    "num_splits": "i32"})
-        sig.update({s: "i32" for s in _STRIDES})
-        const = {"GROUP": group, "BLOCK_H": block_h, "HEAD_SIZE": head, "HEAD_PAD": head_pad, "BLOCK_SIZE": block,
-                 "BLOCK_N": dbase.block_n, "SPLIT": split, "FUSED": fused, "SPLITS_PAD": 128 if fused else 2, **flags}
-        opts = {"num_warps": dbase.num_warps, "num_stages": dbase.num_stages}
-        if hip and dbase.waves_per_eu:
-            opts["waves_per_eu"] = dbase.waves_per_eu
-        out.append(CompileVariant(f"attn_decode[{tag}{suffix}]", decode_kernel, sig, const, opts))
-    pbase = cfg._prefill_base.__wrapped__(head_pad, 1 if fp8 else 2, hip, _large_smem_target(target))
-    sig = _common_sig(qt, kt)
-    sig.update({"sm_scale": "fp32", "softcap": "fp32", "window": "i32"})
-    sig.update({s: "i32" for s in _STRIDES})
-    const = {"GROUP": group, "HEAD_SIZE": head, "HEAD_PAD": head_pad, "BLOCK_SIZE": block, "BLOCK_M": pbase.block_m,
-             "BLOCK_N": pbase.block_n, "SKIP_DECODE": True, "CAUSAL": causal, **flags}
-    opts = {"num_warps": pbase.num_warps, "num_stages": pbase.num_stages}
-    if hip and pbase.waves_per_eu:
-        opts["waves_per_eu"] = pbase.waves_per_eu
-    out.append(CompileVariant(f"attn_prefill[{tag}{'-causal' if causal else ''}]", prefill_kernel, sig, const, opts))
-    return out
-
-
-def _reduce_variants(qdt: torch.dtype, head: int, sinks: bool) -> CompileVariant:
-    qt = _TRITON_DTYPE[qdt]
-    sig = {"out_ptr": f"*{qt}", "qsl_ptr": "*i32", "sinks_ptr": "*fp32", "part_ptr": "*fp32", "num_splits": "i32",
-           "stride_ot": "i32", "stride_oh": "i32"}
-    const = {"HEAD_SIZE": head, "HEAD_PAD": triton.next_power_of_2(head), "SPLITS_PAD": 32, "SINKS": sinks}
-    return CompileVariant(f"attn_reduce[{qt}-d{head}{'-sinks' if sinks else ''}]", reduce_kernel, sig, const,
-                          {"num_warps": 4, "num_stages": 1})
-
-
-def compile_variants(target: str, full: bool = False) -> list[CompileVariant]:
-    """Kernel specialisations the dispatcher can pick, for ``target`` (``sm80``, ``sm90``, ``gfx942``...).
-
-    Default: every head size x query dtype (x fp8 KV where the target has it) at block
-    size 16 with no features and with all features (GQA group 4); every block size,
-    each feature alone and groups 1/8/16 at head size 128. ``full=True``: the whole cross product
-    of those axes with every feature subset (thousands of compiles).
+    Only the query dtype, the KV dtype (the target's fp8 or the query's), the head size and
+    "any feature" reach a constexpr, so this walks those axes (with a prefill and both split
+    merges so that every kernel appears); ``tests/test_paged_attention_inputs.py`` checks that
+    every other input (block sizes, groups, feature subsets, split counts) maps into this list.
     """
-    fp8 = _target_fp8(target)
-    kv_choices = [None] + ([fp8] if fp8 is not None else [])
-    none = dict.fromkeys(_FEATURES, False)
-    every = dict.fromkeys(_FEATURES, True)
-    variants: list[CompileVariant] = []
-    subsets = [{f: bool(mask >> i & 1) for i, f in enumerate(_FEATURES)} for mask in range(1 << len(_FEATURES))]
+    hip, big_smem = _target_info(target)
+    fp8 = target_fp8(target)
+    seen: dict = {}
     for qdt in QUERY_DTYPES:
-        for head in HEAD_SIZES:
-            for block in BLOCK_SIZES if full else (16,):
-                for kv in kv_choices:
-                    kdt = qdt if kv is None else kv
-                    for feats in subsets if full else (none, every):
-                        for causal in (True, False) if full else (feats is none,):
-                            variants += _variants_for(target, qdt, kdt, head, block, 4, feats, causal)
-            for sinks in (False, True):
-                variants.append(_reduce_variants(qdt, head, sinks))
-    if not full:
-        for block in BLOCK_SIZES[1:]:
-            for kv in kv_choices:
-                kdt = torch.bfloat16 if kv is None else kv
-                variants += _variants_for(target, torch.bfloat16, kdt, 128, block, 4, none, True)
-        for f in _FEATURES:
-            variants += _variants_for(target, torch.bfloat16, torch.bfloat16, 128, 16, 4, {**none, f: True}, True)
-        for group in (1, 8, 16):
-            variants += _variants_for(target, torch.bfloat16, torch.bfloat16, 128, 16, group, none, True)
-    return variants
+        for kdt in [qdt, *fp8]:
+            for head in HEAD_SIZES:
+                for any_feature in (False, True):
+                    for fused in (False, True):
+                        for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0, alibi=any_feature,
+                                        sinks=False, max_query_len=2, num_splits=2, fused=fused, hip=hip,
+                                        big_smem=big_smem, interp=False):
+                            seen.setdefault(variant_key(v), v)
+    return list(seen.values())
+
+
+def variant_key(v: CompileVariant) -> tuple:
+    """What makes two variants the same compile (the name is only a label)."""
+    return (v.fn.__name__, tuple(sorted(v.signature.items())), tuple(sorted(v.constexprs.items())),
+            tuple(sorted(v.options.items())))

@@ -41,3 +41,23 @@ class CompileVariant:
     signature: dict[str, str]
     constexprs: dict[str, Any]
     options: dict[str, Any] = field(default_factory=dict)
+
+
+_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def direct_launch_ok(t: torch.Tensor) -> bool:
+    """True when a plain eager call may launch its kernels without the custom op's dispatcher.
+
+    Going through ``torch.ops`` costs hundreds of microseconds of host time per
+    call on the H200 host (benchmarks/results/attention_tuning.md), more than a
+    decode step's GPU time. Under torch.compile, dispatch modes, tensor subclasses
+    or meta tensors the op must be used, so that they see the call.
+    """
+    return (
+        _dispatch_depth is not None
+        and type(t) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and _dispatch_depth() == 0
+        and t.device.type != "meta"
+    )

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcached.kernels.platform import FP8_DTYPES, CompileVariant
+from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, direct_launch_ok
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -183,8 +183,7 @@ def check_slots(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
         )
 
 
-@torch.library.custom_op("kvcached::write_kv_cache", mutates_args=("k_cache", "v_cache"))
-def _write_kv_cache_op(
+def _launch(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
@@ -206,6 +205,19 @@ def _write_kv_cache_op(
         FP8=fp8, FP8_MAX=_fp8_max(k_cache.dtype),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
     )
+
+
+@torch.library.custom_op("kvcached::write_kv_cache", mutates_args=("k_cache", "v_cache"))
+def _write_kv_cache_op(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    _launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @_write_kv_cache_op.register_fake
@@ -238,7 +250,10 @@ def write_kv_cache(
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"k_scale/v_scale apply to fp8 caches only; this cache is {k_cache.dtype}.")
         ks = vs = unit_scale(device)
-    torch.ops.kvcached.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, ks, vs)
+    if direct_launch_ok(key):
+        _launch(key, value, k_cache, v_cache, slot_mapping, ks, vs)
+    else:
+        torch.ops.kvcached.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, ks, vs)
 
 
 def _target_fp8(target: str) -> list[torch.dtype]:

@@ -83,7 +83,9 @@ def test_head_and_block_sizes(head_size, block_size):
          seq_lens=[3000, 1500, 17], seed=2, **_features("all", 16))
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 32), (32, 8), (64, 8), (16, 1), (40, 8)])
+# (64, 2) and (128, 1): groups of 32 and 128 take 2 and 8 decode programs per KV head (16 heads each)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"),
+                         [(32, 32), (32, 8), (64, 8), (16, 1), (40, 8), (64, 2), (128, 1)])
 def test_gqa_mqa(num_heads, num_kv_heads):
     _run(num_heads=num_heads, num_kv_heads=num_kv_heads, q_lens=[1, 513, 1], seq_lens=[4096, 1000, 1], seed=4)
 
