@@ -168,7 +168,8 @@ def launch_config(num_heads: int, hip: bool) -> dict[str, int]:
     block_h = 16 if num_heads <= 16 else 32
     # CUDA: 4 warps spill part of the [16, 512] fp32 accumulator on sm90, yet measured 1.3-1.6x faster than
     # 8 on the H200 (benchmarks/_tune_mla.py, 2026-11-30: b32 h16 8k 216 -> 153 us; b128 h16 4k 403 -> 282 us).
-    cfg = {"BLOCK_H": block_h, "BLOCK_N": 16 if hip else 32, "num_warps": 4, "num_stages": 2}
+    cfg = {"BLOCK_H": block_h, "BLOCK_N": 16 if hip else 32, "num_warps": 8 if hip and block_h > 16 else 4,
+           "num_stages": 2}
     if hip:
         cfg["waves_per_eu"] = 1
     for key in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu"):
