@@ -109,7 +109,7 @@ def test_out_of_memory_rolls_back_and_keeps_live_data():
 
 
 def test_gil_released_while_mapping():
-    b, vts, pa, views = per_layer(limit_mb=4096, num_layers=32, num_pages=48)
+    b, vts, pa, views = per_layer(limit_mb=4096, num_layers=16, num_pages=24)
     ticks = 0
     stop = threading.Event()
 
@@ -122,13 +122,14 @@ def test_gil_released_while_mapping():
     spinner.start()
     try:
         time.sleep(0.05)
-        best = 0
-        for _ in range(3):  # 48 pages x 64 regions of mappings: tens of ms of native work
+        turns = []
+        for _ in range(3):  # 24 pages x 32 regions: 768 mappings of native work
             before = ticks
-            pa.map_pages(list(range(48)))
-            best = max(best, ticks - before)
-            pa.free_pages(list(range(48)))
+            pa.map_pages(list(range(24)))
+            turns.append(ticks - before)
+            pa.free_pages(list(range(24)))
     finally:
         stop.set()
         spinner.join(timeout=5)
-    assert best > 1000, f"a Python thread ran only {best} loop turns while map_pages ran: the GIL was held"
+    # min: a thread switch just before a GIL-holding call could let one round look fine
+    assert min(turns) > 1000, f"a Python thread ran only {turns} loop turns while map_pages ran: the GIL was held"

@@ -9,8 +9,9 @@ program writes its running max, sum and unnormalised output (fp32); the merge (w
 alone counts the sink logit) is done either by the last program of each (sequence,
 KV head, head chunk) to finish, found with a self-resetting atomic counter
 (``fused`` 1: one launch), or by ``reduce_kernel`` (a second launch). Group size,
-block size, split count and every feature are run-time values, so one compile per
-(dtypes, head size, ``FEATURES``) serves every shape.
+block size, split count and every feature are run-time values, and so is the head
+size within its power-of-two tile (80 and 96 share the 128 tile, ``PAD_D``), so one
+compile per (dtypes, tile, ``FEATURES``) serves every shape.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def decode_kernel(
     bs_shift,
     num_splits,
     fused,
+    head_size,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -61,8 +63,8 @@ def decode_kernel(
     stride_oh,
     stride_bt,
     BLOCK_H: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    PAD_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
@@ -84,8 +86,10 @@ def decode_kernel(
     h_mask = h0 + h < group
     heads = kv_head * group + h0 + h
     d = tl.arange(0, HEAD_PAD)
-    d_mask = d < HEAD_SIZE
-    PAD_D: tl.constexpr = HEAD_PAD != HEAD_SIZE
+    if PAD_D:
+        d_mask = d < head_size  # a multiple of 16: Triton specialises on it, loads stay vectorised
+    else:
+        d_mask = d < HEAD_PAD
     q = tl.load(
         q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=h_mask[:, None] & d_mask[None, :],
@@ -157,19 +161,19 @@ def decode_kernel(
                 tl.debug_barrier()
                 for i in range(0, tl.minimum(BLOCK_H, group - h0)):
                     merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, kv_head * group + h0 + i,
-                                 num_heads, num_splits, has_sinks, stride_ot, stride_oh, HEAD_SIZE, HEAD_PAD)
+                                 num_heads, num_splits, has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, head, num_heads, num_splits, has_sinks,
-                 stride_ot, stride_oh, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr):
+                 head_size, stride_ot, stride_oh, HEAD_PAD: tl.constexpr):
     """Merge the ``num_splits`` partial results of query ``head`` into ``out`` (online, a chunk of splits at a time)."""
     # splits per load: at most 4k fp32 values (32 registers a thread at 4 warps)
     CHUNK: tl.constexpr = max(2, min(32, 4096 // HEAD_PAD))
     c = tl.arange(0, CHUNK)
     d = tl.arange(0, HEAD_PAD)
-    d_mask = d < HEAD_SIZE
+    d_mask = d < head_size
     base = (seq.to(tl.int64) * num_heads + head) * num_splits
     m_run = tl.max(tl.zeros([CHUNK], dtype=tl.float32) + NEG_BIG, 0)
     l_run = tl.sum(tl.zeros([CHUNK], dtype=tl.float32), 0)
@@ -210,9 +214,9 @@ def reduce_kernel(
     part_ptr,
     num_splits,
     has_sinks,
+    head_size,
     stride_ot,
     stride_oh,
-    HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -223,4 +227,10 @@ def reduce_kernel(
     num_heads = tl.num_programs(1)
     part_ml_ptr = part_ptr + tl.num_programs(0).to(tl.int64) * num_heads * num_splits * HEAD_PAD
     merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, head, num_heads, num_splits, has_sinks,
-                 stride_ot, stride_oh, HEAD_SIZE, HEAD_PAD)
+                 head_size, stride_ot, stride_oh, HEAD_PAD)
+
+
+# ints Triton specialises as multiples of 16 at run time (every supported head size is one);
+# the ahead-of-time check marks them the same way
+decode_kernel.divisible_by_16 = ("head_size",)
+reduce_kernel.divisible_by_16 = ("head_size",)

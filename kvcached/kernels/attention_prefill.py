@@ -6,7 +6,8 @@ host synchronization is needed. Tiles are visited last-first so the long causal
 tiles start early. Key tiles are split in three runs: masked tiles at the
 sliding-window edge, unmasked interior tiles, masked tiles at the diagonal.
 
-Group size and block size are run-time values. ``FEATURES`` False is the plain
+Group size, block size and the head size within its power-of-two tile (``PAD_D``:
+80 and 96 on the 128 tile) are run-time values. ``FEATURES`` False is the plain
 causal kernel; ``FEATURES`` True reads ``causal``, ``window`` (0 = off), ``softcap``
 (0 = off), ``has_alibi`` and ``has_sinks`` at run time.
 """
@@ -43,6 +44,7 @@ def prefill_kernel(
     has_sinks,
     group,
     bs_shift,
+    head_size,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -54,8 +56,8 @@ def prefill_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
-    HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    PAD_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FEATURES: tl.constexpr,
@@ -80,8 +82,10 @@ def prefill_kernel(
     row_mask = rows < q_len
     q_pos = ctx + rows
     d = tl.arange(0, HEAD_PAD)
-    d_mask = d < HEAD_SIZE
-    PAD_D: tl.constexpr = HEAD_PAD != HEAD_SIZE
+    if PAD_D:
+        d_mask = d < head_size  # a multiple of 16: Triton specialises on it, loads stay vectorised
+    else:
+        d_mask = d < HEAD_PAD
     tok = (q_start + rows).to(tl.int64)
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
@@ -152,3 +156,7 @@ def prefill_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=row_mask[:, None] & d_mask[None, :],
     )
+
+
+# ints Triton specialises as multiples of 16 at run time; the ahead-of-time check marks them too
+prefill_kernel.divisible_by_16 = ("head_size",)

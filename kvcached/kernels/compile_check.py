@@ -115,11 +115,13 @@ def compile_one(module: str, index: int, target: str) -> Result:
         arg_names = list(fn.arg_names)
         # Mirror Triton's run-time specialisation of the common case: torch allocations are 16-byte
         # aligned and KV strides are multiples of 16 elements, and without these marks no load is
-        # vectorised or pipelined (the compile would not be the one that runs).
+        # vectorised or pipelined (the compile would not be the one that runs). A kernel may name
+        # other ints that are always multiples of 16 in ``divisible_by_16`` (e.g. head sizes).
+        always16 = set(getattr(fn, "divisible_by_16", ()))
         attrs = {
             (arg_names.index(k),): [["tt.divisibility", 16]]
             for k, t in v.signature.items()
-            if t.startswith("*") or (k.startswith("stride_") and t in ("i32", "i64"))
+            if t.startswith("*") or ((k.startswith("stride_") or k in always16) and t in ("i32", "i64"))
         }
         src = ASTSource(fn=fn, signature=dict(v.signature), constexprs=dict(v.constexprs), attrs=attrs)
         opts = dict(v.options)

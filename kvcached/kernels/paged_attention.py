@@ -238,8 +238,9 @@ def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_si
 
     Everything the dispatcher sees goes in; a tuple of ``CompileVariant`` comes out (decode,
     then the split reduce when ``num_splits > 1`` and not ``fused``, then prefill when
-    ``max_query_len > 1``). Block size, group size, split count and feature values are
-    run-time kernel arguments: only dtypes, head size and "any feature" pick a compile.
+    ``max_query_len > 1``). Block size, group size, split count, feature values and the head
+    size within its power-of-two tile are run-time kernel arguments: only the dtypes, the
+    tile (32, 64, 128, masked 128 for 80/96, 256) and "any feature" pick a compile.
     ``compile_variants`` lists exactly what this can return for a target.
     """
     if cfg.has_overrides():
@@ -258,21 +259,23 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     decode_features = window > 0 or softcap > 0 or alibi or sinks
     features = decode_features or not causal
     feat = "-features" if features else ""
+    pad = head_pad != head_size
+    tile = f"d{head_pad}{'-masked' if pad else ''}"  # 80 and 96 share the masked 128 tile
     out = []
     dc = cfg.decode_tile(head_pad, itemsize, hip, interp)
-    const = {"BLOCK_H": BLOCK_H, "HEAD_SIZE": head_size, "HEAD_PAD": head_pad, "BLOCK_N": dc.block_n,
+    const = {"BLOCK_H": BLOCK_H, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
              "FEATURES": decode_features, "FP8_KV": fp8, "INTERP": interp}
-    out.append(CompileVariant(f"attn_decode[{qt}-{kt}-d{head_size}{'-features' if decode_features else ''}]",
+    out.append(CompileVariant(f"attn_decode[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
                               decode_kernel, _signature(decode_kernel, qt, kt), const,
                               cfg.launch_options(dc.num_warps, dc.num_stages, dc.waves_per_eu, hip, interp)))
     if num_splits > 1 and not fused:
-        out.append(CompileVariant(f"attn_reduce[{qt}-d{head_size}]", reduce_kernel, _signature(reduce_kernel, qt, kt),
-                                  {"HEAD_SIZE": head_size, "HEAD_PAD": head_pad}, {"num_warps": 4, "num_stages": 1}))
+        out.append(CompileVariant(f"attn_reduce[{qt}-d{head_pad}]", reduce_kernel, _signature(reduce_kernel, qt, kt),
+                                  {"HEAD_PAD": head_pad}, {"num_warps": 4, "num_stages": 1}))
     if max_query_len > 1:
         pc = cfg.prefill_tile(head_pad, itemsize, hip, big_smem, interp)
-        const = {"HEAD_SIZE": head_size, "HEAD_PAD": head_pad, "BLOCK_M": pc.block_m, "BLOCK_N": pc.block_n,
+        const = {"HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_M": pc.block_m, "BLOCK_N": pc.block_n,
                  "FEATURES": features, "FP8_KV": fp8, "INTERP": interp}
-        out.append(CompileVariant(f"attn_prefill[{qt}-{kt}-d{head_size}{feat}]", prefill_kernel,
+        out.append(CompileVariant(f"attn_prefill[{qt}-{kt}-{tile}{feat}]", prefill_kernel,
                                   _signature(prefill_kernel, qt, kt), const,
                                   cfg.launch_options(pc.num_warps, pc.num_stages, pc.waves_per_eu, hip, interp)))
     return tuple(out)
@@ -330,18 +333,19 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             decode_kernel[(num_seqs, num_kv_heads * chunks, num_splits)](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                 part, lock, scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
-                num_splits, int(fused), *q_strides, *kv_strides, *o_strides, block_table.stride(0),
+                num_splits, int(fused), head_size, *q_strides, *kv_strides, *o_strides, block_table.stride(0),
                 **v.constexprs, **v.options,
             )
         elif v.fn is reduce_kernel:
             reduce_kernel[(num_seqs, num_heads)](
-                out, query_start_loc, sink_t, part, num_splits, has_sinks, *o_strides, **v.constexprs, **v.options,
+                out, query_start_loc, sink_t, part, num_splits, has_sinks, head_size, *o_strides, **v.constexprs,
+                **v.options,
             )
         else:
             grid = (triton.cdiv(max_query_len, v.constexprs["BLOCK_M"]), num_heads, num_seqs)
             prefill_kernel[grid](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
-                scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
+                scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, head_size,
                 *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
             )
 
