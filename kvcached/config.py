@@ -119,6 +119,15 @@ def host_memory_limit() -> int:
     return env_int("KVCACHED_HOST_MEM_LIMIT_MB", 4096, minimum=1) * MiB
 
 
+def host_shm_name() -> str | None:
+    """``KVCACHED_HOST_SHM_NAME``: the /dev/shm segment whose budget host-backend processes share.
+
+    Processes naming the same segment share one physical budget, as engines on one
+    GPU share its memory (the native core reads it; unset = one per user and device).
+    """
+    return _raw("KVCACHED_HOST_SHM_NAME")
+
+
 def gpu_utilization() -> float:
     """Largest fraction of device memory the pool may map, ``KVCACHED_GPU_UTILIZATION``."""
     return env_float("KVCACHED_GPU_UTILIZATION", 0.95, low=0.01, high=1.0)

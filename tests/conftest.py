@@ -15,6 +15,20 @@ HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Host-backend processes on one /dev/shm segment share one physical budget (like
+# one GPU); a test session gets its own, so concurrent or earlier runs never meet.
+_HOST_SHM = f"kvcached_pytest_{os.getpid()}"
+os.environ.setdefault("KVCACHED_HOST_SHM_NAME", _HOST_SHM)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    try:
+        from kvcached import _vmm
+
+        _vmm.unlink_host_shm(_HOST_SHM)
+    except Exception:  # the extension may not be built; nothing to clean then
+        pass
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_GPU:

@@ -6,6 +6,7 @@ costs about 20 s on the 2-core CI machine, so the baselines are shared per sessi
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import engine_env, finish_engine, host_budget_is_shared, run_engine, start_engine  # noqa: E402
 from tiny_model import BURST_PROMPTS, LONG_PROMPTS, PROMPTS  # noqa: E402
+
+from kvcached import _vmm  # noqa: E402
 
 MiB = 1 << 20
 # Every request needs 2 blocks of 128 tokens (prompt + 124 > 128); 48 of them need
@@ -143,21 +146,32 @@ def test_two_engines_share_memory(tiny_model: str, baseline_burst: dict) -> None
     if not host_budget_is_shared(engine_env()):
         pytest.skip("kvcached's host backend keeps a budget per process, so two engines cannot share one; "
                     "this needs the /dev/shm-shared host budget of issue 4, item 4 (native core)")
-    budget = 4 * PAGE_GROUP
+    # The budget counts each engine's zero page (one page group in the contiguous layout), as device
+    # memory would; what is left holds less than both engines' peaks together.
+    budget = 7 * PAGE_GROUP
+    kv_room = budget - 2 * PAGE_GROUP
+    shm = f"kvcached_e2e_two_{os.getpid()}"
     names = ["kvcached_e2e_two_a", "kvcached_e2e_two_b"]
-    procs = [start_engine({"model": tiny_model, **BURST, "ipc_name": n, "settle_s": 1.0, "repeat": 2},
-                          _kvcached_env(n, KVCACHED_HOST_MEM_LIMIT_MB=str(budget // MiB),
-                                        KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0"))
-             for n in names]
-    results = [finish_engine(p, timeout=600) for p in procs]
+    try:
+        procs = [start_engine({"model": tiny_model, **BURST, "ipc_name": n, "settle_s": 1.0, "repeat": 2},
+                              _kvcached_env(n, KVCACHED_HOST_MEM_LIMIT_MB=str(budget // MiB),
+                                            KVCACHED_HOST_SHM_NAME=shm, KVCACHED_MIN_RESERVED_PAGES="0",
+                                            KVCACHED_MAX_RESERVED_PAGES="0"))
+                 for n in names]
+        results = [finish_engine(p, timeout=600) for p in procs]
+    finally:
+        _vmm.unlink_host_shm(shm)
     for r in results:
         assert r["tokens"] == baseline_burst["tokens"]
         assert all(tokens == baseline_burst["tokens"] for tokens in r["all_tokens"])
     a, b = (r["samples"] for r in results)
-    # each engine alone went above half the budget ...
-    assert max(u for _, u in a) > budget // 2 and max(u for _, u in b) > budget // 2
-    # ... yet at no moment did the two hold more than the budget together
+    peak_a, peak_b = max(u for _, u in a), max(u for _, u in b)
+    # both engines grew well past idle, and their peaks could not have been held at the same time:
+    # memory one engine gave back was used by the other while both ran ...
+    assert min(peak_a, peak_b) >= 3 * PAGE_GROUP, (peak_a, peak_b)
+    assert peak_a + peak_b > kv_room, f"peaks {peak_a} + {peak_b} B fit in {kv_room} B together: no hand-over shown"
+    # ... and at no moment did the two hold more than the shared budget allows
     for t, used_a in a:
         near = [u for tb, u in b if abs(tb - t) < 0.01]
         if near:
-            assert used_a + min(near) <= budget, f"{used_a} + {min(near)} B mapped at once, budget {budget} B"
+            assert used_a + min(near) <= kv_room, f"{used_a} + {min(near)} B mapped at once, room {kv_room} B"
