@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: set up .venv (idempotent), then run a job.
-#   bash scripts/dev.sh demo   -> the main job (GPU if present, else the host backend)
+#   bash scripts/dev.sh demo   -> the main job: two vLLM engines sharing memory through kvcached,
+#                                 then the elastic-cache demo (GPU if present, else the host backend)
 #   bash scripts/dev.sh test   -> the whole CPU test suite (+ AOT compile check, + lint)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,12 @@ setup() {
 
 case "$job" in
   setup) setup ;;
-  demo) setup; exec "$PY" -m kvcached.demo "$@" ;;
+  demo)
+    setup
+    # Two real vLLM engines sharing memory through kvcached (vLLM's CPU build), then the
+    # elastic-cache demo on the default device (the GPU if there is one, else the host backend).
+    if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ]; then "$PY" -m kvcached.serve_demo; fi
+    exec "$PY" -m kvcached.demo "$@" ;;
   test)
     setup
     "$PY" -m ruff check kvcached tests benchmarks

@@ -77,8 +77,9 @@ def override(**knobs: int) -> Iterator[None]:
         _OVERRIDES.update(saved)
 
 
-def has_overrides() -> bool:
-    return bool(_OVERRIDES)
+def overrides_key() -> tuple:
+    """The knobs in force, hashable (part of the dispatcher's cache key)."""
+    return tuple(sorted(_OVERRIDES.items())) if _OVERRIDES else ()
 
 
 def decode_tile(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> DecodeConfig:

@@ -243,15 +243,14 @@ def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_si
     tile (32, 64, 128, masked 128 for 80/96, 256) and "any feature" pick a compile.
     ``compile_variants`` lists exactly what this can return for a target.
     """
-    if cfg.has_overrides():
-        return _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
-                       max_query_len, num_splits, fused, hip, big_smem, interp)
-    return _select_cached(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
-                          max_query_len, num_splits, fused, hip, big_smem, interp)
+    # cached per inputs and override knobs: one dict lookup per call (host time matters at batch 1)
+    return _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
+                   max_query_len, num_splits, fused, hip, big_smem, interp, cfg.overrides_key())
 
 
+@functools.lru_cache(maxsize=4096)
 def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks, max_query_len,
-            num_splits, fused, hip, big_smem, interp) -> tuple:
+            num_splits, fused, hip, big_smem, interp, overrides) -> tuple:
     qt, kt = _TRITON_DTYPE[q_dtype], _TRITON_DTYPE[kv_dtype]
     head_pad = triton.next_power_of_2(head_size)
     fp8 = kv_dtype != q_dtype
@@ -280,8 +279,6 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
                                   cfg.launch_options(pc.num_warps, pc.num_stages, pc.waves_per_eu, hip, interp)))
     return tuple(out)
 
-
-_select_cached = functools.lru_cache(maxsize=4096)(_select)
 
 
 def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len, max_seq_len,
