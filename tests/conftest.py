@@ -7,6 +7,7 @@ when ``@triton.jit`` runs, so it is set here, before any kernel module is import
 from __future__ import annotations
 
 import os
+import uuid
 
 import pytest
 import torch
@@ -42,3 +43,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_GPU else "cpu"
+
+
+@pytest.fixture
+def own_host_budget(monkeypatch: pytest.MonkeyPatch):
+    """A /dev/shm budget segment of the test's own, for tests that set host budgets."""
+    from kvcached import _vmm
+
+    name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVCACHED_HOST_SHM_NAME", name)
+    yield name
+    _vmm.unlink_host_shm(name)

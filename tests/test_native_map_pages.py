@@ -3,10 +3,8 @@ map_to_kv_tensors), all-or-nothing, on the host backend."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import uuid
 
 import pytest
 import torch
@@ -19,13 +17,7 @@ MiB = 1 << 20
 U = 2 * MiB
 
 
-@pytest.fixture(autouse=True)
-def own_host_budget(monkeypatch: pytest.MonkeyPatch):
-    """Host backends share one budget per /dev/shm segment: give each test its own segment."""
-    name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("KVCACHED_HOST_SHM_NAME", name)
-    yield
-    vmm.unlink_host_shm(name)
+pytestmark = pytest.mark.usefixtures("own_host_budget")
 
 
 def per_layer(limit_mb=256, num_layers=2, num_pages=8, max_reserved=0):

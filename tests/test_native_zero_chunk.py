@@ -7,9 +7,7 @@ stay zero, live data survives every split, failures roll back.
 
 from __future__ import annotations
 
-import os
 import random
-import uuid
 
 import pytest
 import torch
@@ -22,13 +20,7 @@ MiB = 1 << 20
 U = 2 * MiB
 
 
-@pytest.fixture(autouse=True)
-def own_host_budget(monkeypatch: pytest.MonkeyPatch):
-    """Host backends share one budget per /dev/shm segment: give each test its own segment."""
-    name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("KVCACHED_HOST_SHM_NAME", name)
-    yield
-    vmm.unlink_host_shm(name)
+pytestmark = pytest.mark.usefixtures("own_host_budget")
 
 
 def host(limit_mb: int = 512) -> vmm.Backend:
