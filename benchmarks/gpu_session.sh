@@ -21,16 +21,16 @@ CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 setup.py -q build_ext --inplace >"$OUT/
 
 if [[ "$what" == all || "$what" == tests || "$what" == smoke ]]; then
   log "gpu tests"
-  timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e -q 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e -q 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi
 if [[ "$what" == all || "$what" == vmm || "$what" == smoke ]]; then
   log "bench_vmm"
-  timeout 120 python3 benchmarks/bench_vmm.py 2>&1 | tail -60 | tee "$OUT/bench_vmm.log"
+  timeout 90 python3 benchmarks/bench_vmm.py 2>&1 | tail -60 | tee "$OUT/bench_vmm.log"
 fi
 if [[ "$what" == all || "$what" == kernels || "$what" == quick || "$what" == smoke ]]; then
   log "bench_kernels"
   mode=""; [[ "$what" == quick || "$what" == smoke ]] && mode="--quick"
-  timeout 330 python3 benchmarks/bench_kernels.py $mode 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
+  timeout 300 python3 benchmarks/bench_kernels.py $mode ${BENCH_ARGS:-} 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
 fi
 log "collect"
 tar czf "$OUT/results.tar.gz" benchmarks/results

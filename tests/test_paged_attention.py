@@ -152,7 +152,7 @@ def test_direct_launch_matches_the_custom_op():
                                dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
     query, bt, sl, qsl = random_batch([1, 6], [70, 6], 4, 32, 16, k.shape[0], torch.float16,
                                       generator=gen, device=DEVICE)
-    assert pa._direct(query)
+    assert pa.direct_launch_ok(query)
     eager = paged_attention(query, k, v, bt, sl, qsl, max_query_len=6, max_seq_len=70, scale=0.2)
     via_op = torch.full_like(query, float("nan"))
     pa.paged_attention_op(query, k, v, bt, sl, qsl, via_op, 6, 70, 0.2, True, 0, 0.0, None, None, None, None)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 
-from kvcached.kernels.platform import interpreting, is_hip
+from kvcached.kernels.platform import interpreting, is_hip, override_knobs
 
 
 @dataclass(frozen=True)
@@ -62,19 +61,9 @@ KNOBS = (
 )
 
 
-@contextlib.contextmanager
-def override(**knobs: int) -> Iterator[None]:
+def override(**knobs: int) -> contextlib.AbstractContextManager[None]:
     """Force launch knobs (for benchmarks and tests); unknown names raise ValueError."""
-    bad = sorted(set(knobs) - set(KNOBS))
-    if bad:
-        raise ValueError(f"unknown attention knob(s) {bad}; known: {', '.join(KNOBS)}.")
-    saved = dict(_OVERRIDES)
-    _OVERRIDES.update(knobs)
-    try:
-        yield
-    finally:
-        _OVERRIDES.clear()
-        _OVERRIDES.update(saved)
+    return override_knobs(_OVERRIDES, KNOBS, "attention", knobs)
 
 
 def overrides_key() -> tuple:

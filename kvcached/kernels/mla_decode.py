@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
-from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, direct_launch_ok, interpreting, is_hip
+from kvcached.kernels.platform import (
+    FP8_DTYPES,
+    CompileVariant,
+    direct_launch_ok,
+    interpreting,
+    is_hip,
+    override_knobs,
+)
 from kvcached.kernels.write_kv import unit_scale
 
 _LOG2E = 1.4426950408889634
@@ -146,21 +152,11 @@ def _num_units(device_index: int) -> int:
 _OVERRIDES: dict[str, int] = {}
 
 
-@contextlib.contextmanager
-def override(**knobs: int) -> Iterator[None]:
+def override(**knobs: int) -> contextlib.AbstractContextManager[None]:
     """Temporarily replace launch heuristics, e.g. ``with override(BLOCK_N=64, programs_per_unit=8): ...``."""
-    known = {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu", "programs_per_unit",
-             "min_tokens_per_split", "max_splits"}
-    unknown = set(knobs) - known
-    if unknown:
-        raise ValueError(f"unknown MLA knob(s) {sorted(unknown)}; known: {sorted(known)}.")
-    saved = dict(_OVERRIDES)
-    _OVERRIDES.update(knobs)
-    try:
-        yield
-    finally:
-        _OVERRIDES.clear()
-        _OVERRIDES.update(saved)
+    known = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu", "programs_per_unit",
+             "min_tokens_per_split", "max_splits")
+    return override_knobs(_OVERRIDES, known, "MLA", knobs)
 
 
 def launch_config(num_heads: int, hip: bool) -> dict[str, int]:

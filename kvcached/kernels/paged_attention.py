@@ -20,7 +20,7 @@ import triton
 from kvcached.kernels import attention_config as cfg
 from kvcached.kernels.attention_decode import decode_kernel, reduce_kernel
 from kvcached.kernels.attention_prefill import prefill_kernel
-from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, interpreting, is_hip
+from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, direct_launch_ok, interpreting, is_hip
 from kvcached.kernels.write_kv import _target_fp8 as _write_kv_target_fp8
 
 HEAD_SIZES = (32, 64, 80, 96, 128, 256)
@@ -379,20 +379,6 @@ def _paged_attention_fake(query, k_cache, v_cache, block_table, seq_lens, query_
     return None
 
 
-_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
-
-
-def _direct(query: torch.Tensor) -> bool:
-    """True when a plain eager call can skip the custom op's dispatcher (nothing would observe it)."""
-    return (
-        _dispatch_depth is not None
-        and type(query) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and _dispatch_depth() == 0
-        and query.device.type != "meta"
-    )
-
-
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -435,7 +421,7 @@ def paged_attention(
     # than a whole batch-1 decode on the GPU; plain eager calls launch directly. Under
     # torch.compile, a dispatch mode (FakeTensor, functionalization...) or on a tensor subclass,
     # the op runs so that those machineries see it.
-    if _direct(query):
+    if direct_launch_ok(query):
         _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len, max_seq_len,
                 scale, bool(causal), int(sliding_window or 0), float(softcap or 0.0), alibi_slopes, sinks, ks, vs)
         return out

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,3 +63,19 @@ def direct_launch_ok(t: torch.Tensor) -> bool:
         and _dispatch_depth() == 0
         and t.device.type != "meta"
     )
+
+
+@contextlib.contextmanager
+def override_knobs(store: dict[str, Any], known: Iterable[str], what: str, knobs: dict[str, Any]) -> Iterator[None]:
+    """Temporarily put ``knobs`` into a kernel family's override ``store`` (benchmarks, tests)."""
+    known = set(known)
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} knob(s) {unknown}; known: {', '.join(sorted(known))}.")
+    saved = dict(store)
+    store.update(knobs)
+    try:
+        yield
+    finally:
+        store.clear()
+        store.update(saved)
