@@ -21,7 +21,7 @@ CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 setup.py -q build_ext --inplace >"$OUT/
 
 if [[ "$what" == all || "$what" == tests || "$what" == smoke ]]; then
   log "gpu tests"
-  timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e -q 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e --tb=line 2>&1 | tee "$OUT/gpu_tests_full.log" | tail -40
 fi
 if [[ "$what" == all || "$what" == vmm || "$what" == smoke ]]; then
   log "bench_vmm"
