@@ -30,6 +30,29 @@ def time_us(fn: Callable[[], object], device: torch.device, *, reps: int = 3) ->
     return statistics.median(samples)
 
 
+def graph_time_us(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Median GPU time of one call replayed from a CUDA/HIP graph (no host launch cost), or None off-GPU.
+
+    A serving engine replays decode steps from graphs, so this is the time it sees; the
+    eager time adds the host's launch overhead, which dominates small shapes.
+    """
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return time_us(graph.replay, device)
+    finally:
+        del graph
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
