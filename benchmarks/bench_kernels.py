@@ -213,7 +213,10 @@ def run_decode(tab: Table, ceil: dict[str, float], shapes, flex_shapes: set) -> 
                         check, note)
                 series.setdefault(f"ours {layout.value}", []).append((batch, ctx, bw))
                 if layout is Layout.PER_LAYER:
-                    peers(tab, series, q, kc, vc, table, lens, want, batch, ctx, bytes_moved, ceil, flex_shapes, t)
+                    try:  # a failing peer is its own row, never charged to ours
+                        peers(tab, series, q, kc, vc, table, lens, want, batch, ctx, bytes_moved, ceil, flex_shapes, t)
+                    except Exception as exc:
+                        tab.add(batch, ctx, "peer", None, None, None, None, None, "ERROR", _err(exc))
                 del bases, kc, vc
                 fn = None  # the closure holds the cache: drop it before the next layout allocates
             except Exception as exc:  # a failure is a row of the table, not the end of the run
