@@ -170,8 +170,11 @@ def test_two_engines_share_memory(tiny_model: str, baseline_burst: dict) -> None
     # memory one engine gave back was used by the other while both ran ...
     assert min(peak_a, peak_b) >= 3 * PAGE_GROUP, (peak_a, peak_b)
     assert peak_a + peak_b > kv_room, f"peaks {peak_a} + {peak_b} B fit in {kv_room} B together: no hand-over shown"
-    # ... and at no moment did the two hold more than the shared budget allows
+    # ... and no pair of samples taken within 10 ms of each other exceeds the shared budget. (Each
+    # engine samples on its own clock, so a page one engine has just freed can still show in its
+    # sample while the other has taken it: the exact bound, kv_room, is checked by the native
+    # tests in tests/test_native_host_shared.py, which control both sides.)
     for t, used_a in a:
         near = [u for tb, u in b if abs(tb - t) < 0.01]
         if near:
-            assert used_a + min(near) <= kv_room, f"{used_a} + {min(near)} B mapped at once, room {kv_room} B"
+            assert used_a + min(near) <= budget, f"{used_a} + {min(near)} B mapped at once, budget {budget} B"
