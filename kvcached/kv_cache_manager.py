@@ -15,8 +15,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from kvcached import config, vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError, KVCachePoolExhausted
+from kvcached.layout import KVGeometry, KVSpec
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -82,15 +85,13 @@ class KVCacheManager:
         self.async_sched = async_sched
         self.reserve_null_block = reserve_null_block
         self.page_size = rt.page_size
-        if self.block_mem_size > self.page_size or self.page_size % self.block_mem_size:
-            raise KVCachedConfigError(
-                f"a KV block of {self.block_mem_size} B (block_size={block_size} x cell_size={cell_size}) does "
-                f"not divide the {self.page_size >> 20} MiB page, so blocks would straddle pages; pick a "
-                "power-of-two block size, or set KVCACHED_PAGE_SIZE_MB to a multiple of the block size."
-            )
-        self.blocks_per_page = self.page_size // self.block_mem_size
-        self.num_pages = -(-num_blocks // self.blocks_per_page)
-        self.page_group_bytes = num_layers * num_kv_buffers * self.page_size
+        # Blocks per page and bytes per page index come from the layout module (a token of one
+        # layer's K or V is cell_size opaque bytes); it refuses blocks that would straddle pages.
+        geom = KVGeometry(KVSpec(num_layers, num_blocks, block_size, 1, cell_size, torch.uint8, num_kv_buffers),
+                          rt.layout, rt.page_size)
+        self.blocks_per_page = geom.blocks_per_page
+        self.num_pages = geom.num_pages
+        self.page_group_bytes = geom.page_group_bytes
         # NOTE: per layer and per K/V, as kvcached defines it
         self.mem_size = num_blocks * self.block_mem_size
         self._reserve = config.reserve_config()
