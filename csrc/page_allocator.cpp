@@ -296,13 +296,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
     state_[p] = kInUse;
     out.push_back(p);
   }
-  for (int64_t i = 0; i < from_res; ++i) {
-    int64_t p = *reserved_.begin();
-    reserved_.erase(reserved_.begin());
-    state_[p] = kInUse;
-    out.push_back(p);
-  }
-  trimmed_ = false;
+  take_reserved_locked(from_res, out);
   publish_locked();
   if (!fresh.empty()) refresh_mem_info();
   std::sort(out.begin(), out.end());
@@ -354,11 +348,8 @@ void PageAllocator::map_pages(const std::vector<int64_t>& ids) {
   if (thread_.joinable() && static_cast<int64_t>(reserved_.size()) < min_reserved_) cv_.notify_one();
 }
 
-bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
-  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
-  if (!lk.owns_lock() || closed_.load() || static_cast<int64_t>(reserved_.size()) < n) return false;
-  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
-  if (in_use + n > limit_.load()) return false;
+// Moves the n lowest reserved (mapped, unused) pages to in use; the caller holds mu_.
+void PageAllocator::take_reserved_locked(int64_t n, std::vector<int64_t>& out) {
   for (int64_t i = 0; i < n; ++i) {
     int64_t p = *reserved_.begin();
     reserved_.erase(reserved_.begin());
@@ -366,6 +357,14 @@ bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
     out.push_back(p);
   }
   trimmed_ = false;
+}
+
+bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock() || closed_.load() || static_cast<int64_t>(reserved_.size()) < n) return false;
+  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  if (in_use + n > limit_.load()) return false;
+  take_reserved_locked(n, out);
   publish_locked();
   if (thread_.joinable() && static_cast<int64_t>(reserved_.size()) < min_reserved_) cv_.notify_one();
   return true;

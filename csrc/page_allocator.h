@@ -69,6 +69,7 @@ class PageAllocator {
   void map_locked(const std::vector<int64_t>& pages);    // sorted; all-or-nothing
   void unmap_locked(const std::vector<int64_t>& pages);  // sorted
   void shrink_reserved_locked(int64_t keep);
+  void take_reserved_locked(int64_t n, std::vector<int64_t>& out);
   void publish_locked();
   void thread_main();
   void add_phase(const char* name, double us, int64_t calls = 1) {
