@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvcached import config, vmm_ops
+from kvcached.deferred_free import DeferredFree
 from kvcached.errors import KVCachedConfigError, KVCachedStateError, KVCachePoolExhausted
 from kvcached.layout import KVGeometry, KVSpec
 from kvcached.utils import get_kvcached_logger
@@ -49,6 +50,8 @@ class KVCacheManager:
         reserve_null_block: block 0 is taken at start and never handed out (SGLang, vLLM padding).
         num_kv_buffers: 2 for K and V, 1 for MLA or a unified pool.
         group_id: which ``create_kv_tensors`` group the blocks live in.
+        deferred_free: give freed blocks back only once the device work launched before
+            the free has run (see :mod:`kvcached.deferred_free`); None: on for GPU backends.
 
     Promises: a block id returned by :meth:`alloc` (or held by
     :meth:`try_to_reserve`) is backed by physical memory mapped at that moment;
@@ -60,7 +63,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
                  pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
                  num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None,
-                 tp_size: int | None = None) -> None:
+                 tp_size: int | None = None, deferred_free: bool | None = None) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("cell_size", cell_size),
                             ("num_layers", num_layers)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -106,6 +109,9 @@ class KVCacheManager:
         self.null_block: list[int] | None = None
         self.device_total = 0
         self._runtime = rt
+        if deferred_free is None:
+            deferred_free = rt.choice.kind != "host"
+        self._deferred = DeferredFree(rt.torch_device, self._release) if deferred_free else None
         rt.managers.add(self)
         if vmm_ops.kv_tensors_created(group_id):
             self._bind()
@@ -198,6 +204,8 @@ class KVCacheManager:
     def alloc(self, need_size: int) -> list[int] | None:
         """``need_size`` block ids, all backed by mapped memory; None if not possible now."""
         pool = self._pool or self._bind()
+        if self._deferred is not None and len(self._deferred):
+            self._deferred.drain()
         try:
             if not self._reserved:
                 return pool.alloc(need_size)
@@ -223,11 +231,35 @@ class KVCacheManager:
         return out + extra
 
     def free(self, indices: Sequence[int]) -> None:
-        """Give blocks back; ValueError (nothing freed) for an unknown, reserved or already free id."""
+        """Give blocks back; ValueError (nothing freed) for an unknown, reserved or already free id.
+
+        With deferred freeing the blocks return to the pool once the device work launched
+        so far has run; until then they count as allocated (:attr:`pending_free_blocks`).
+        """
         pool = self._pool or self._bind()
         if self._reserved or self.null_block is not None:
             self._check_freeable(indices)
-        pool.free(indices)
+        if self._deferred is None:
+            pool.free(indices)
+            return
+        ids = list(indices)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not pool.is_allocated(i) or i in self._deferred:
+                raise ValueError(f"free: block {i!r} is not an allocated block id (double free?); nothing was freed.")
+        if len(set(ids)) != len(ids):
+            raise ValueError("free: a block id appears twice in one call; nothing was freed.")
+        self._deferred.add(ids)
+        self._deferred.drain()
+
+    def _release(self, ids: list[int]) -> None:
+        pool = self._pool
+        if pool is not None:
+            pool.free(ids)
+
+    @property
+    def pending_free_blocks(self) -> int:
+        """Blocks freed but held until the device work that may read them has run."""
+        return 0 if self._deferred is None else len(self._deferred)
 
     def _check_freeable(self, indices: Sequence[int]) -> None:
         if not hasattr(indices, "__iter__"):
@@ -244,6 +276,8 @@ class KVCacheManager:
     def try_to_reserve(self, need_size: int) -> bool:
         """Take ``need_size`` more blocks now for a later :meth:`alloc`; False (nothing taken) if not possible."""
         pool = self._pool or self._bind()
+        if self._deferred is not None and len(self._deferred):
+            self._deferred.drain()
         if not isinstance(need_size, int) or isinstance(need_size, bool) or need_size < 0:
             raise ValueError(f"try_to_reserve: need_size must be an int >= 0, got {need_size!r}.")
         got = pool.alloc(need_size)
@@ -277,7 +311,10 @@ class KVCacheManager:
 
     def available_size(self) -> int:
         """Blocks an :meth:`alloc` could get now (advisory: see the class docstring)."""
-        return (self._pool or self._bind()).available() + len(self._reserved)
+        pool = self._pool or self._bind()
+        if self._deferred is not None and len(self._deferred):
+            self._deferred.drain()
+        return pool.available() + len(self._reserved)
 
     def get_mapped_memory_size(self, unit: str = "bytes") -> float:
         """Bytes of physical memory behind pages that hold blocks (all layers, K and V)."""
@@ -300,6 +337,8 @@ class KVCacheManager:
     def clear(self) -> None:
         """Free every block (held reservations too); the null block stays reserved."""
         pool = self._pool or self._bind()
+        if self._deferred is not None:
+            self._deferred.flush()
         self._reserved = []
         if pool.num_allocated() == 0:
             return
@@ -319,6 +358,11 @@ class KVCacheManager:
         from kvcached import mem_info
 
         mem_info.unregister(self)
+        if self._deferred is not None:
+            try:
+                self._deferred.flush()  # unmapping below must not pull pages from under running kernels
+            except Exception as exc:  # a broken device context: unmap anyway, nothing can read it now
+                logger.warning("%s: waiting for the device before unmapping failed: %s", self.pool_name, exc)
         if self._allocator is not None:
             self._allocator.close()
             group = self._runtime.groups.get(self.group_id)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvcached.errors import KVCachedConfigError
-from kvcached.integration.vllm import patches
+from kvcached.integration.vllm import settings
 
 MLA = SimpleNamespace(use_mla=True, use_sparse=False)
 MHA = SimpleNamespace(use_mla=False, use_sparse=False)
@@ -18,7 +18,7 @@ THEIRS = SimpleNamespace(name="ROCM_ATTN")
 @pytest.fixture
 def on(monkeypatch: pytest.MonkeyPatch):
     def set_platform(rocm: bool, choice: str | None = None, contiguous: str | None = None) -> None:
-        monkeypatch.setattr(patches, "_is_rocm", lambda: rocm)
+        monkeypatch.setattr(settings, "is_rocm", lambda: rocm)
         for name, value in (("KVCACHED_ATTENTION_BACKEND", choice), ("KVCACHED_CONTIGUOUS_LAYOUT", contiguous)):
             if value is None:
                 monkeypatch.delenv(name, raising=False)
@@ -30,35 +30,35 @@ def on(monkeypatch: pytest.MonkeyPatch):
 
 def test_rocm_defaults_to_contiguous_with_our_backend(on) -> None:
     on(rocm=True)
-    assert patches.contiguous_layout() is True
-    assert patches._wants_kvcached_backend(None, MHA)
-    assert patches._wants_kvcached_backend(THEIRS, MHA)  # vendor kernels would misread the strided views
-    assert not patches._wants_kvcached_backend(None, MLA)
+    assert settings.contiguous_layout() is True
+    assert settings.wants_kvcached_backend(None, MHA)
+    assert settings.wants_kvcached_backend(THEIRS, MHA)  # vendor kernels would misread the strided views
+    assert not settings.wants_kvcached_backend(None, MLA)
 
 
 def test_explicit_layout_wins_on_rocm(on) -> None:
     on(rocm=True, contiguous="false")
-    assert patches.contiguous_layout() is False
-    assert not patches._wants_kvcached_backend(None, MHA)  # per-layer: vendor kernels are fine
-    assert patches._wants_kvcached_backend(OURS, MHA)  # asked for by name: always
+    assert settings.contiguous_layout() is False
+    assert not settings.wants_kvcached_backend(None, MHA)  # per-layer: vendor kernels are fine
+    assert settings.wants_kvcached_backend(OURS, MHA)  # asked for by name: always
 
 
 def test_rocm_without_our_backend_stays_per_layer(on) -> None:
     on(rocm=True, choice="vllm")
-    assert patches.contiguous_layout() is False
-    assert not patches._wants_kvcached_backend(None, MHA)
+    assert settings.contiguous_layout() is False
+    assert not settings.wants_kvcached_backend(None, MHA)
 
 
 def test_nvidia_and_cpu_keep_vllm_backends_unless_asked(on) -> None:
     on(rocm=False)
-    assert patches.contiguous_layout() is True
-    assert not patches._wants_kvcached_backend(None, MHA)
-    assert patches._wants_kvcached_backend(OURS, MHA)
+    assert settings.contiguous_layout() is True
+    assert not settings.wants_kvcached_backend(None, MHA)
+    assert settings.wants_kvcached_backend(OURS, MHA)
     on(rocm=False, choice="triton")
-    assert patches._wants_kvcached_backend(None, MHA)
+    assert settings.wants_kvcached_backend(None, MHA)
 
 
 def test_bad_backend_choice_is_refused(on) -> None:
     on(rocm=False, choice="flashy")
     with pytest.raises(KVCachedConfigError, match="KVCACHED_ATTENTION_BACKEND"):
-        patches.attention_backend_choice()
+        settings.attention_backend_choice()

@@ -1,12 +1,18 @@
 """vLLM attention backend on kvcached's stride-aware Triton kernels.
 
 Registered with vLLM as ``KVCACHED`` (``--attention-backend KVCACHED``), chosen
-automatically on ROCm with the contiguous layout (see ``patches``). Each layer's
-cache is vLLM's ``[num_blocks, H, block_size, 2 * head_size]`` view whose last
-dimension holds K then V of one (token, head); whatever the layer and block
-strides of kvcached's layout, :func:`split_kv_cache` hands the kernels K and V as
-``[num_blocks, block_size, H, head_size]`` strided views, which they read and
+automatically on ROCm with the contiguous layout (see ``settings``). Each layer's
+cache is, on vLLM >= 0.29, its ``[num_blocks, H, block_size, 2 * head_size]`` view
+whose last dimension holds K then V of one (token, head), and on vLLM 0.24 - 0.28 the
+``(num_blocks, 2, block_size, H, head_size)`` shape this backend declares; whatever the
+layer and block strides of kvcached's layout, :func:`split_kv_cache` hands the kernels
+K and V as ``[num_blocks, block_size, H, head_size]`` strided views, which they read and
 write at the right addresses.
+
+CUDA graphs: the kernels take every length from device tensors and size their grids
+from host bounds only, so a graph captured with bounds at least as large as any
+replay's is correct for every replay; :meth:`build_for_cudagraph_capture` captures
+with the largest bounds the captured batch allows (``AttentionCGSupport.ALWAYS``).
 
 On a machine without a GPU (vLLM's CPU build) the kernels run in Triton's
 interpreter: slow, but the same code path, which is what the CPU tests check.
@@ -26,7 +32,16 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+try:  # vLLM >= 0.29 names its KV layouts; older versions ask get_kv_cache_shape instead
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+except ImportError:
+    KVCacheLayout = None
+try:
+    from vllm.v1.attention.backend import AttentionCGSupport
+except ImportError:  # pragma: no cover - every supported vLLM has it
+    AttentionCGSupport = None
 
 HEAD_SIZES = [32, 64, 80, 96, 128, 256]
 BLOCK_SIZES = [16, 32, 64, 128]
@@ -42,11 +57,17 @@ def _kernels() -> Any:
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``[B, H, N, 2 * D]`` layer cache -> K and V ``[B, N, H, D]`` (views, any strides)."""
+    """vLLM's layer cache -> K and V ``[B, N, H, D]`` (views, any strides).
+
+    ``[B, H, N, 2 * D]`` (vLLM >= 0.29) or ``(B, 2, N, H, D)`` (:meth:`KVCachedAttentionBackend.get_kv_cache_shape`).
+    """
+    if kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[-1] == head_size:
+        k, v = kv_cache.unbind(1)
+        return k, v
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
         raise ValueError(
-            f"kvcached backend expects a [num_blocks, heads, block_size, 2 * {head_size}] KV cache, "
-            f"got {tuple(kv_cache.shape)}."
+            f"kvcached backend expects a [num_blocks, heads, block_size, 2 * {head_size}] or [num_blocks, 2, "
+            f"block_size, heads, {head_size}] KV cache, got {tuple(kv_cache.shape)}."
         )
     per_token = kv_cache.transpose(1, 2)
     return per_token[..., :head_size], per_token[..., head_size:]
@@ -64,10 +85,36 @@ class KVCachedAttentionMetadata:
     causal: bool = True
 
 
+def _mixed_batches_in_full_graphs(vllm_config: Any) -> bool:
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    mixed = getattr(mode, "mixed_mode", None)
+    return mixed is not None and getattr(mixed(), "name", "") == "FULL"
+
+
 class KVCachedAttentionMetadataBuilder(AttentionMetadataBuilder[KVCachedAttentionMetadata]):
+    if AttentionCGSupport is not None:
+        _cudagraph_support: ClassVar[Any] = AttentionCGSupport.ALWAYS
+
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> KVCachedAttentionMetadata:
+        """Metadata for a graph that later batches of the same shape replay.
+
+        A replay runs the kernels captured here with this call's grid and plan, so they
+        are chosen for the worst case of the captured shape: any context up to
+        ``max_model_len``, and any query length up to the batch's token count, except
+        where every full graph is a uniform (decode or speculative-decode) batch, whose
+        replays have the captured query length. Only ``cudagraph_mode=FULL`` captures
+        mixed batches in full graphs, and its dummy mixed batch can look uniform.
+        """
+        m = self.build(0, common_attn_metadata)
+        if _mixed_batches_in_full_graphs(self.vllm_config):
+            m.max_query_len = max(m.max_query_len, int(m.num_actual_tokens))
+        m.max_seq_len = max(m.max_seq_len, self.max_model_len)
+        return m
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVCachedAttentionMetadata:
@@ -163,14 +210,21 @@ class KVCachedAttentionBackend(AttentionBackend):
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
         return list(BLOCK_SIZES)
 
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """vLLM 0.24 - 0.28 shape each layer's cache from this: blocks first, so a page stays whole."""
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(HEAD_SIZES)
 
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # token-major block interiors read best; the kernels take any strides anyway
-        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+    if KVCacheLayout is not None:
+        @classmethod
+        def supported_kv_cache_layouts(cls) -> tuple[Any, ...]:
+            # token-major block interiors read best; the kernels take any strides anyway
+            return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:

@@ -31,7 +31,7 @@ from vllm.distributed.kv_events import AllBlocksCleared
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvcached import config
+from kvcached import config, mem_info
 from kvcached.errors import KVCachePoolExhausted
 from kvcached.integration.vllm import interfaces, kv_alloc
 from kvcached.utils import get_kvcached_logger
@@ -54,8 +54,15 @@ class KVCachedBlockPool(BlockPool):
         # vLLM's queue starts with every block; ours holds only evictable cached blocks.
         self.free_block_queue = FreeKVCacheBlockQueue([])
         self.kv = interfaces.get_kv_cache_manager(num_gpu_blocks, info.block_size, info.cell_size,
-                                                  info.num_layers, num_kv_buffers=1, group_id=info.group_id,
-                                                  pool_name="vllm", reserve_null_block=True)
+                                                  info.num_layers, num_kv_buffers=info.kv_factor,
+                                                  group_id=info.group_id, pool_name="vllm",
+                                                  reserve_null_block=True)
+        cap = kv_alloc.memory_cap()
+        if cap is not None:
+            # vLLM's memory flag becomes this engine's limit, set as kvctl sets one, so kvctl shows and changes it
+            mem_info.write_limit(mem_info.publisher().name, cap)
+            mem_info.publisher().tick()
+            logger.info("kvcached: this engine's KV memory is capped at %.2f GiB (kvctl can change it)", cap / 2**30)
         if self.null_block.block_id != 0 or self.kv.null_block != [0]:
             raise KVCachePoolExhausted("kvcached could not reserve block 0 as vLLM's null block.")
         self.blocks_per_page = self.kv.blocks_per_page
@@ -137,7 +144,7 @@ class KVCachedBlockPool(BlockPool):
         if num_blocks <= 0:
             return []
         ret = self._take(num_blocks)
-        if self._reuse_watchers:
+        if getattr(self, "_reuse_watchers", None):  # vLLM >= 0.30
             self._notify_reuse(ret)
         for block in ret:
             if self.enable_caching:
@@ -162,8 +169,9 @@ class KVCachedBlockPool(BlockPool):
         drop: list[KVCacheBlock] = []
         others: dict[BlockPool, list[KVCacheBlock]] = {}
         for block in ordered_blocks:
-            if block.pool is not None and block.pool is not self:
-                others.setdefault(block.pool, []).append(block)
+            owner = getattr(block, "pool", None)  # vLLM >= 0.30 tags blocks with their pool
+            if owner is not None and owner is not self:
+                others.setdefault(owner, []).append(block)
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
@@ -199,7 +207,7 @@ class KVCachedBlockPool(BlockPool):
             queue.remove(block)
             if self.enable_caching:
                 self._maybe_evict_cached_block(block)
-        if self._reuse_watchers:
+        if getattr(self, "_reuse_watchers", None):
             self._notify_reuse(chosen)
         self._give_back(chosen)
         return len(chosen)
@@ -223,7 +231,8 @@ class KVCachedBlockPool(BlockPool):
 
     def _num_in_use(self) -> int:
         """Blocks that requests hold (not the null block, cached or reserved ones)."""
-        return self.kv.num_allocated_blocks() - 1 - self.free_block_queue.num_free_blocks - self._held
+        return (self.kv.num_allocated_blocks() - 1 - self.free_block_queue.num_free_blocks - self._held
+                - self.kv.pending_free_blocks)
 
     def reset_prefix_cache(self) -> bool:
         in_use = self._num_in_use()
@@ -233,7 +242,7 @@ class KVCachedBlockPool(BlockPool):
         self._evict(self.free_block_queue.num_free_blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
-        if self._reuse_watchers:
+        if getattr(self, "_reuse_watchers", None):
             self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
         for block in self.blocks:
             block.reset_hash()

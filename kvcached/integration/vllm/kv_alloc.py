@@ -1,21 +1,27 @@
-"""vLLM's KV cache tensors, allocated by kvcached instead of ``torch.zeros``.
+"""vLLM's KV cache tensors, placed by kvcached instead of ``torch.zeros``.
 
-vLLM 0.32 views every attention layer's cache as ``[B, H, N, C]`` (C in bytes),
-one dense page of ``page_size_bytes`` per (layer, block), and leaves the inside
-of that page to the attention backend. kvcached therefore treats one vLLM page
-as one opaque block (an MLA-style ``(num_blocks, block_size, bytes_per_token)``
-uint8 cache with ``kv_factor=1``): :func:`alloc_kv_cache` places the blocks in
-the configured layout (contiguous: all layers of a block side by side;
-per-layer: one tensor per layer) and vLLM's own ``create_kv_cache_views`` builds
-the page interior, so every backend sees exactly the bytes it would without
-kvcached, only at kvcached's block addresses.
+kvcached never looks inside a vLLM page (one layer's K and V of one block). It
+places pages in the configured layout (contiguous: all layers of a block side by
+side; per-layer: one tensor per layer) and leaves the page interior to vLLM's
+attention backend, so every backend sees exactly the bytes it would without
+kvcached, only at kvcached's block addresses. Two ways in, by vLLM version
+(:mod:`adapters` picks one):
+
+* vLLM >= 0.29 views each layer through ``create_kv_cache_views``:
+  :func:`allocate_kv_cache` is a drop-in for ``vllm.v1.worker.utils.allocate_kv_cache``;
+* vLLM 0.24-0.28 reshapes raw per-layer buffers to the backend's
+  ``get_kv_cache_shape`` / ``get_kv_cache_stride_order``: :func:`build_views` builds
+  those same views over kvcached's memory. A block-first physical shape
+  (``(N, ...)``: Triton, FlashInfer, ours) keeps each page whole (one kvcached
+  buffer); a K/V-first one (``(2, N, ...)``: FlashAttention) puts K and V in
+  kvcached's two buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +29,7 @@ import torch
 
 from kvcached import vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
-from kvcached.integration.vllm import interfaces
+from kvcached.integration.vllm import interfaces, settings
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -35,15 +41,17 @@ class PoolInfo:
 
     num_blocks: int
     block_size: int
-    cell_size: int  # bytes of one token of one layer (the whole vLLM page / block_size)
+    cell_size: int  # bytes of one token of one layer in one of the kv_factor buffers
     num_layers: int
     group_id: int = 0
+    kv_factor: int = 1  # 1: a vLLM page kept whole; 2: its K and V halves in two buffers
 
 
 _lock = threading.Lock()
 _pool_info: PoolInfo | None = None
+_memory_cap: int | None = None  # bytes, from vLLM's memory flags (see settings.memory_flag)
 _plain = threading.local()
-vllm_allocate_kv_cache: Any = None  # vLLM's own allocator, set by ``patches``
+vllm_allocate_kv_cache: Any = None  # vLLM's own allocator (>= 0.29), set by ``adapters``
 
 
 @contextlib.contextmanager
@@ -56,8 +64,12 @@ def plain_allocation() -> Iterator[None]:
         _plain.on = False
 
 
+def plain() -> bool:
+    return bool(getattr(_plain, "on", False))
+
+
 def pool_info() -> PoolInfo:
-    """The geometry recorded by :func:`allocate_kv_cache` in this process."""
+    """The geometry recorded when the KV cache was placed in this process."""
     info = _pool_info
     if info is None:
         raise KVCachedStateError(
@@ -68,10 +80,21 @@ def pool_info() -> PoolInfo:
     return info
 
 
+def set_memory_cap(cap_bytes: int | None) -> None:
+    global _memory_cap
+    _memory_cap = cap_bytes
+
+
+def memory_cap() -> int | None:
+    """This engine's KV memory cap from ``--kv-cache-memory-bytes`` / ``--gpu-memory-utilization``, if given."""
+    return _memory_cap
+
+
 def reset() -> None:
-    global _pool_info
+    global _pool_info, _memory_cap
     with _lock:
         _pool_info = None
+        _memory_cap = None
 
 
 def ensure_initialized(device: Any, contiguous_layout: bool | None = None) -> None:
@@ -82,7 +105,8 @@ def ensure_initialized(device: Any, contiguous_layout: bool | None = None) -> No
                              contiguous_layout=contiguous_layout)
 
 
-def _the_attention_spec(kv_cache_config: Any) -> Any:
+def the_attention_spec(kv_cache_config: Any) -> Any:
+    """The one attention spec of a single-group model; a clear refusal for anything else."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
@@ -93,12 +117,12 @@ def _the_attention_spec(kv_cache_config: Any) -> Any:
             f"({kinds}). Unset ENABLE_KVCACHED to run it without kvcached."
         )
     spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec) or not spec.has_layer_views:
+    if not isinstance(spec, AttentionSpec) or not getattr(spec, "has_layer_views", True):
         raise KVCachedConfigError(
             f"kvcached supports attention KV caches; this model's cache is {type(spec).__name__}. "
             "Unset ENABLE_KVCACHED to run it without kvcached."
         )
-    if spec.page_size_padded is not None:
+    if getattr(spec, "page_size_padded", None) is not None:
         raise KVCachedConfigError(
             f"kvcached does not support padded KV pages (page_size_padded={spec.page_size_padded}); "
             "unset ENABLE_KVCACHED for this model."
@@ -109,55 +133,64 @@ def _the_attention_spec(kv_cache_config: Any) -> Any:
 def capacity_bytes(num_layers: int) -> int:
     """KV bytes to report to vLLM: every layer's share of the device, in whole kvcached pages.
 
-    vLLM turns this into ``num_blocks = bytes // (page_size_bytes * num_layers)``,
-    which is exactly the number of blocks :func:`alloc_kv_cache` makes room for
+    vLLM turns this into ``num_blocks = bytes // (page_size_bytes * num_layers)``. The
+    share is rounded as for two buffers per layer, which never exceeds what one buffer
+    per layer holds, so the blocks fit whichever way :func:`_place` lays them out
     (virtually: nothing is mapped until a block is handed out).
     """
     rt = vmm_ops.runtime()
-    return interfaces.virtual_bytes_per_kv(rt, num_layers, 1) * num_layers
+    return interfaces.virtual_bytes_per_kv(rt, num_layers, 2) * 2 * num_layers
 
 
+def _place(num_blocks: int, block_size: int, cell: int, num_layers: int, kv_factor: int,
+           device: Any) -> tuple[list[torch.Tensor], dict[str, Any], int]:
+    """Reserve virtual KV tensors for ``num_blocks`` blocks; record the pool geometry."""
+    global _pool_info
+    group_id = 0  # a fresh group per engine, so a second engine in this process starts clean
+    while vmm_ops.kv_tensors_created(group_id):
+        group_id += 1
+    if kv_factor == 1:
+        shape: tuple[int, ...] = (num_blocks, block_size, cell)
+        kind = "MLA"
+    else:
+        shape = (2, num_blocks, block_size, 1, cell)
+        kind = "MHA"
+    views, meta = interfaces.alloc_kv_cache(shape, block_size, torch.uint8, str(device), num_layers,
+                                            attention_type=kind, group_id=group_id, return_meta=True)
+    if num_blocks > meta["num_blocks_per_layer"]:
+        raise KVCachedConfigError(
+            f"vLLM planned {num_blocks} KV blocks but kvcached's virtual tensors hold "
+            f"{meta['num_blocks_per_layer']}; lower --kv-cache-memory-bytes or raise KVCACHED_HOST_MEM_LIMIT_MB."
+        )
+    with _lock:
+        _pool_info = PoolInfo(num_blocks, block_size, cell, num_layers, group_id, kv_factor)
+    logger.info("kvcached: %d layers x %d virtual blocks of %d B in the %s layout on %s", num_layers, num_blocks,
+                block_size * cell * kv_factor, vmm_ops.runtime().layout.value, device)
+    return views, meta, group_id
+
+
+# -- vLLM >= 0.29 ------------------------------------------------------------
 def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
                       kernel_block_sizes: list[int] | None = None) -> dict[str, torch.Tensor]:
-    """Drop-in for ``vllm.v1.worker.utils.allocate_kv_cache``: same arguments, same views."""
-    global _pool_info
+    """Drop-in for ``vllm.v1.worker.utils.allocate_kv_cache`` (vLLM >= 0.29): same arguments, same views."""
     from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
     if not kv_cache_config.kv_cache_tensors:
         return {}
-    if getattr(_plain, "on", False) and vllm_allocate_kv_cache is not None:
+    if plain() and vllm_allocate_kv_cache is not None:
         return vllm_allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)
-    from kvcached.integration.vllm.patches import contiguous_layout
-
-    ensure_initialized(device, contiguous_layout())
-    spec = _the_attention_spec(kv_cache_config)
+    ensure_initialized(device, settings.contiguous_layout())
+    spec = the_attention_spec(kv_cache_config)
     if not layout.is_block_compact:
         raise KVCachedConfigError(
             f"kvcached needs a KV layout whose pages are dense per (layer, block); vLLM resolved {layout.name}. "
             "Set VLLM_KV_CACHE_LAYOUT=LBHNC (or another layout starting with L and B)."
         )
     layer_names = [name for t in kv_cache_config.kv_cache_tensors for name in t.layers]
-    num_layers = len(layer_names)
     num_blocks = kv_cache_config.num_blocks
     page_bytes = spec.page_size_bytes
-    block_size = spec.block_size
-    if page_bytes % block_size:
-        raise KVCachedConfigError(
-            f"a vLLM KV page of {page_bytes} B is not a whole number of bytes per token for block size "
-            f"{block_size}; unset ENABLE_KVCACHED for this model."
-        )
-    cell = page_bytes // block_size
-    # a fresh group per engine, so a second engine in this process (after the first shut down) starts clean
-    group_id = 0
-    while vmm_ops.kv_tensors_created(group_id):
-        group_id += 1
-    views, meta = interfaces.alloc_kv_cache((num_blocks, block_size, cell), block_size, torch.uint8, str(device),
-                                            num_layers, attention_type="MLA", group_id=group_id, return_meta=True)
-    if num_blocks > meta["num_blocks_per_layer"]:
-        raise KVCachedConfigError(
-            f"vLLM planned {num_blocks} KV blocks but kvcached's virtual tensors hold "
-            f"{meta['num_blocks_per_layer']}; lower --kv-cache-memory-bytes or raise KVCACHED_HOST_MEM_LIMIT_MB."
-        )
+    cell = _cell(page_bytes, spec.block_size, 1)
+    views, _, _ = _place(num_blocks, spec.block_size, cell, len(layer_names), 1, device)
     kbs = kernel_block_sizes[0] if kernel_block_sizes else None
     out: dict[str, torch.Tensor] = {}
     for idx, name in enumerate(layer_names):
@@ -166,8 +199,117 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
         place = KVCacheTensor(size=page_bytes * num_blocks, layers=[name], layer_stride=page_bytes,
                               block_stride=base.stride(0), offset=base.storage_offset())
         out[name] = create_kv_cache_views(raw, spec, num_blocks, layout, place, kernel_block_size=kbs)[0]
-    with _lock:
-        _pool_info = PoolInfo(num_blocks, block_size, cell, num_layers, group_id)
-    logger.info("kvcached: %d layers x %d virtual blocks of %d B in the %s layout on %s", num_layers, num_blocks,
-                page_bytes, vmm_ops.runtime().layout.value, device)
+    return out
+
+
+def _cell(page_bytes: int, block_size: int, kv_factor: int) -> int:
+    if page_bytes % (block_size * kv_factor):
+        raise KVCachedConfigError(
+            f"a vLLM KV page of {page_bytes} B is not a whole number of bytes per token for block size "
+            f"{block_size}; unset ENABLE_KVCACHED for this model."
+        )
+    return page_bytes // (block_size * kv_factor)
+
+
+# -- vLLM 0.24 - 0.28 ----------------------------------------------------------
+@dataclass(frozen=True)
+class PhysicalForm:
+    """How a backend lays one layer's cache out in memory (``get_kv_cache_shape`` permuted by its stride order)."""
+
+    order: tuple[int, ...]  # logical dim of each physical dim
+    shape: tuple[int, ...]  # physical shape
+    block_dim: int  # physical position of the blocks
+    kv_factor: int  # 1: block-first; 2: (2, blocks, ...)
+
+
+def physical_form(backend: Any, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                  cache_dtype: str) -> PhysicalForm:
+    """Find the block dimension by asking the backend for two block counts; refuse shapes kvcached cannot place."""
+    def shape_of(n: int) -> tuple[int, ...]:
+        return tuple(int(s) for s in backend.get_kv_cache_shape(n, block_size, num_kv_heads, head_size,
+                                                               cache_dtype_str=cache_dtype))
+
+    logical, probe = shape_of(num_blocks), shape_of(num_blocks + 1)
+    changed = [i for i, (a, b) in enumerate(zip(logical, probe, strict=True)) if a != b]
+    name = getattr(backend, "get_name", lambda: backend.__name__)()
+    if len(changed) != 1:
+        raise KVCachedConfigError(f"kvcached cannot find the block dimension of {name}'s KV cache shape {logical}.")
+    try:
+        order = tuple(int(i) for i in backend.get_kv_cache_stride_order())
+        if sorted(order) != list(range(len(logical))):
+            raise ValueError(order)
+    except (AttributeError, NotImplementedError):
+        order = tuple(range(len(logical)))
+    shape = tuple(logical[i] for i in order)
+    block_dim = order.index(changed[0])
+    if block_dim == 0:
+        return PhysicalForm(order, shape, 0, 1)
+    if block_dim == 1 and shape[0] == 2:
+        return PhysicalForm(order, shape, 1, 2)
+    raise KVCachedConfigError(
+        f"{name} lays its KV cache out as {shape} (blocks at dimension {block_dim}); kvcached places blocks-first "
+        "or (2, blocks, ...) caches only. Choose another attention backend or unset ENABLE_KVCACHED."
+    )
+
+
+def _dense_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return strides[::-1]
+
+
+def build_views(attn_groups: Iterable[Any], kernel_block_sizes: list[int], cache_dtype: str, kv_cache_config: Any,
+                device: Any, skip: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """Every attention layer's KV cache view over kvcached's memory (vLLM 0.24-0.28), as vLLM would shape it.
+
+    ``skip``: layers that share another layer's cache (vLLM aliases them afterwards).
+    """
+    ensure_initialized(device, settings.contiguous_layout())
+    spec = the_attention_spec(kv_cache_config)
+    skipped = set(skip)
+    layers: list[tuple[str, Any, int]] = []  # (name, backend, kernel block size)
+    for group in attn_groups:
+        if group.kv_cache_group_id >= len(kernel_block_sizes):
+            continue
+        kbs = kernel_block_sizes[group.kv_cache_group_id]
+        layers += [(name, group.backend, kbs) for name in group.layer_names if name not in skipped]
+    if not layers:
+        return {}
+    num_blocks, bs, page_bytes = kv_cache_config.num_blocks, spec.block_size, spec.page_size_bytes
+    forms = {}
+    for _, backend, kbs in layers:
+        if (backend, kbs) not in forms:
+            if bs % kbs:
+                raise KVCachedConfigError(f"vLLM block size {bs} is not a multiple of the kernel block size {kbs}.")
+            forms[backend, kbs] = physical_form(backend, num_blocks * (bs // kbs), kbs, spec.num_kv_heads,
+                                                spec.head_size, cache_dtype)
+    kv_factors = {f.kv_factor for f in forms.values()}
+    if len(kv_factors) != 1:
+        raise KVCachedConfigError("kvcached needs every attention layer of a model to lay its cache out alike.")
+    kv = kv_factors.pop()
+    dtype = spec.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    _, meta, _ = _place(num_blocks, bs, _cell(page_bytes, bs, kv), len(layers), kv, device)
+    geom, raws = meta["geometry"], meta["raw_kv_tensors"]
+    out: dict[str, torch.Tensor] = {}
+    for idx, (name, backend, kbs) in enumerate(layers):
+        form = forms[backend, kbs]
+        ratio = bs // kbs
+        st = geom.layer_strides(idx)  # bytes: the geometry's dtype is uint8
+        kernel_block_bytes = page_bytes // kv // ratio
+        if ratio > 1 and st.block_stride != ratio * kernel_block_bytes:
+            raise KVCachedConfigError(
+                f"vLLM splits blocks of {bs} tokens into kernel blocks of {kbs}, which needs blocks dense per "
+                "layer; set KVCACHED_CONTIGUOUS_LAYOUT=false."
+            )
+        strides = [0] * len(form.shape)
+        strides[form.block_dim + 1:] = _dense_strides(form.shape[form.block_dim + 1:])
+        strides[form.block_dim] = st.block_stride // ratio // itemsize
+        if form.kv_factor == 2:
+            strides[0] = st.kv_stride // itemsize
+        phys = torch.as_strided(raws[st.tensor].view(dtype), form.shape, strides, st.offset // itemsize)
+        inverse = [form.order.index(i) for i in range(len(form.order))]
+        out[name] = phys.permute(*inverse)
     return out

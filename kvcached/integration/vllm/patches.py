@@ -1,12 +1,11 @@
-"""The hooks that put kvcached under a vLLM 0.32 V1 engine (applied once per process).
+"""The hooks that put kvcached under a vLLM V1 engine (0.24 - 0.32; applied once per process).
 
 Hook points (all in vLLM's installed source):
-- ``vllm/v1/worker/gpu_model_runner.py``: the module's ``allocate_kv_cache`` (called by
-  ``GPUModelRunner.initialize_kv_cache_tensors``; ``CPUModelRunner`` inherits it) is
-  replaced by :func:`kv_alloc.allocate_kv_cache`;
+- KV allocation in both model runners: version-keyed, see :mod:`adapters`;
 - ``Worker.determine_available_memory`` (``gpu_worker.py``, ``cpu_worker.py``): reports the
-  virtual capacity instead of a profiled free-memory figure, so no
-  ``--gpu-memory-utilization`` tuning is needed;
+  virtual capacity instead of a profiled free-memory figure; when the user gave
+  ``--kv-cache-memory-bytes`` or ``--gpu-memory-utilization``, vLLM's own figure becomes
+  this engine's kvcached limit (see :func:`settings.memory_flag`);
 - ``vllm/v1/core/kv_cache_coordinator.py``: its ``BlockPool`` becomes
   :class:`KVCachedBlockPool`; ``KVCacheCoordinator.get_num_blocks_to_allocate`` tells
   the pool what the scheduler is about to check, ``KVCacheManager.allocate_slots``
@@ -21,71 +20,24 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
+import math
 import threading
 from typing import Any
 
-from kvcached import config
-from kvcached.errors import KVCachedConfigError
+from kvcached.integration.vllm import settings
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
 
-BACKEND_NAME = "KVCACHED"
-BACKEND_PATH = "kvcached.integration.vllm.backend.KVCachedAttentionBackend"
-
 _lock = threading.Lock()
 _applied = False
-
-
-def attention_backend_choice() -> str:
-    """``KVCACHED_ATTENTION_BACKEND``: ``auto`` (default), ``kvcached`` (force ours) or ``vllm`` (never ours)."""
-    value = (os.environ.get("KVCACHED_ATTENTION_BACKEND") or "auto").strip().lower()
-    aliases = {"auto": "auto", "kvcached": "kvcached", "triton": "kvcached", "vllm": "vllm", "off": "vllm"}
-    if value not in aliases:
-        raise KVCachedConfigError(
-            f"KVCACHED_ATTENTION_BACKEND={value!r} is not one of auto, kvcached, vllm."
-        )
-    return aliases[value]
-
-
-def _is_rocm() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_rocm())
-
-
-def contiguous_layout() -> bool:
-    """The layout kvcached uses under vLLM: ``KVCACHED_CONTIGUOUS_LAYOUT`` when set; else contiguous.
-
-    On ROCm the default is contiguous only because our stride-aware backend is then
-    chosen automatically; with ``KVCACHED_ATTENTION_BACKEND=vllm`` it stays per-layer.
-    """
-    explicit = config.contiguous_layout_override()
-    if explicit is not None:
-        return explicit
-    if _is_rocm():
-        return attention_backend_choice() != "vllm"
-    return True
-
-
-def _wants_kvcached_backend(selected: Any, selector: Any) -> bool:
-    if getattr(selector, "use_mla", False) or getattr(selector, "use_sparse", False):
-        return False
-    choice = attention_backend_choice()
-    if selected is not None and getattr(selected, "name", None) == BACKEND_NAME:
-        return True
-    if choice == "kvcached":
-        return True
-    return choice == "auto" and _is_rocm() and contiguous_layout()
-
 
 def _patch_attention_selection() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_PATH)
+    if settings.BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(settings.BACKEND_NAME, settings.BACKEND_PATH)
     cls = type(current_platform)
     original = cls.get_attn_backend_cls
     if getattr(original, "_kvcached", False):
@@ -93,9 +45,9 @@ def _patch_attention_selection() -> None:
 
     @functools.wraps(original)
     def get_attn_backend_cls(selected_backend: Any, attn_selector_config: Any, *args: Any, **kwargs: Any) -> str:
-        if _wants_kvcached_backend(selected_backend, attn_selector_config):
+        if settings.wants_kvcached_backend(selected_backend, attn_selector_config):
             logger.info("kvcached: using the kvcached Triton attention backend")
-            return BACKEND_PATH
+            return settings.BACKEND_PATH
         return original(selected_backend, attn_selector_config, *args, **kwargs)
 
     get_attn_backend_cls._kvcached = True  # type: ignore[attr-defined]
@@ -103,39 +55,24 @@ def _patch_attention_selection() -> None:
 
 
 def _patch_worker_side() -> None:
-    import vllm.v1.worker.gpu_model_runner as gmr
     import vllm.v1.worker.gpu_worker as gw
 
     from kvcached.integration.vllm import kv_alloc
 
-    kv_alloc.vllm_allocate_kv_cache = gmr.allocate_kv_cache
-    gmr.allocate_kv_cache = kv_alloc.allocate_kv_cache
-
-    # CUDA-graph memory profiling builds a throw-away minimal KV cache: keep vLLM's own for it.
-    runner_cls = gmr.GPUModelRunner
-    minimal = getattr(runner_cls, "_init_minimal_kv_cache_for_profiling", None)
-    if minimal is not None and not getattr(minimal, "_kvcached", False):
-        @functools.wraps(minimal)
-        def init_minimal_kv_cache_for_profiling(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with kv_alloc.plain_allocation():
-                return minimal(self, *args, **kwargs)
-
-        init_minimal_kv_cache_for_profiling._kvcached = True  # type: ignore[attr-defined]
-        runner_cls._init_minimal_kv_cache_for_profiling = init_minimal_kv_cache_for_profiling
-
     # vLLM refuses to start when free device memory is below --gpu-memory-utilization,
     # which is the normal state of a second engine on a shared GPU; KV memory is elastic
-    # here, so start with what is free instead.
+    # here, so the engine starts and its share stays what the flag asked for.
     request = gw.request_memory
     if not getattr(request, "_kvcached", False):
         @functools.wraps(request)
-        def request_memory(init_snapshot: Any, *args: Any, **kwargs: Any) -> int:
+        def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
             try:
-                return request(init_snapshot, *args, **kwargs)
+                return request(init_snapshot, cache_config, *args, **kwargs)
             except ValueError as exc:
-                logger.info("kvcached: starting with the %d B free on the device (%s)",
-                            int(init_snapshot.free_memory), exc)
-                return int(init_snapshot.free_memory)
+                asked = math.ceil(init_snapshot.total_memory * cache_config.gpu_memory_utilization)
+                logger.info("kvcached: starting with %d B free of the %d B asked for; KV memory is elastic (%s)",
+                            int(init_snapshot.free_memory), asked, exc)
+                return asked
 
         request_memory._kvcached = True  # type: ignore[attr-defined]
         gw.request_memory = request_memory
@@ -155,13 +92,24 @@ def _patch_worker_side() -> None:
         def make(orig: Any) -> Any:
             @functools.wraps(orig)
             def determine_available_memory(self: Any) -> int:
+                flag = settings.memory_flag(self.cache_config)
                 try:
-                    orig(self)  # keeps vLLM's warm-up / profiling run; its KV figure is not used
-                except ValueError as exc:  # "no memory left for the KV cache": ours is virtual
+                    planned = orig(self)  # keeps vLLM's warm-up / profiling run
+                except (ValueError, AssertionError) as exc:
+                    # "no memory left for the KV cache", or another engine's memory moved during the
+                    # profile: ours is virtual, so only a user-given budget makes this fatal
+                    if flag is not None:
+                        raise
                     logger.info("kvcached: ignoring vLLM's KV memory estimate (%s)", exc)
-                kv_alloc.ensure_initialized(self.device, contiguous_layout())
+                    planned = None
+                kv_alloc.ensure_initialized(self.device, settings.contiguous_layout())
                 num_layers = len(self.model_runner.get_kv_cache_spec())
-                return kv_alloc.capacity_bytes(max(1, num_layers))
+                capacity = kv_alloc.capacity_bytes(max(1, num_layers))
+                if flag is not None and planned is not None:
+                    kv_alloc.set_memory_cap(max(0, min(int(planned), capacity)))
+                    logger.info("kvcached: --%s gives this engine %d B of KV memory", flag.replace("_", "-"),
+                                int(planned))
+                return capacity
 
             determine_available_memory._kvcached = True  # type: ignore[attr-defined]
             return determine_available_memory
@@ -272,12 +220,17 @@ def apply() -> None:
     with _lock:
         if _applied:
             return
-        attention_backend_choice()  # a bad value fails now, not deep inside the engine
+        settings.attention_backend_choice()  # a bad value fails now, not deep inside the engine
+        from kvcached.integration.vllm import adapters
+        from kvcached.integration.vllm.version import check_vllm_version, installed_vllm_version
+
+        version = installed_vllm_version()
+        adapter = adapters.install_kv_allocation(version, check_vllm_version(version))
         _patch_attention_selection()
         _patch_cpu_executor()
         _patch_worker_side()
         _patch_scheduler_side()
         atexit.register(_shutdown_at_exit)
         _applied = True
-        logger.info("kvcached: vLLM hooks installed (layout %s)",
-                    "contiguous" if contiguous_layout() else "per-layer")
+        logger.info("kvcached: vLLM %s hooks installed (%s adapter, layout %s)", version, adapter,
+                    "contiguous" if settings.contiguous_layout() else "per-layer")

@@ -18,7 +18,5 @@ def register() -> None:
     if not enabled():
         return
     from kvcached.integration.vllm import patches
-    from kvcached.integration.vllm.version import check_vllm_version, installed_vllm_version
 
-    check_vllm_version(installed_vllm_version())
-    patches.apply()
+    patches.apply()  # checks the vLLM version first

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from kvcached.errors import KVCachedConfigError
 
-# [MIN_VERSION, MAX_VERSION_EXCLUSIVE): the V1 internals the patches were written against.
-MIN_VERSION = (0, 32, 0)
+# [MIN_VERSION, MAX_VERSION_EXCLUSIVE): the V1 internals ``adapters`` has an adapter for. A newer
+# vLLM is refused until it has been run (see README: which versions ran where).
+MIN_VERSION = (0, 24, 0)
 MAX_VERSION_EXCLUSIVE = (0, 33, 0)
-SUPPORTED_RANGE = ">=0.32.0,<0.33.0"
+SUPPORTED_RANGE = ">=0.24.0,<0.33.0"
 
 
-def _release(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
     """``0.32.0``, ``0.32.1+cpu``, ``0.32.0rc1.dev5`` -> (0, 32, 0...); ValueError if unreadable."""
     head = version.split("+", 1)[0]
     parts: list[int] = []
@@ -37,21 +38,22 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts[:3])
 
 
-def check_vllm_version(version: str) -> None:
-    """Raise :class:`KVCachedConfigError` unless ``version`` is in :data:`SUPPORTED_RANGE`."""
+def check_vllm_version(version: str) -> tuple[int, ...]:
+    """The release tuple of ``version``; :class:`KVCachedConfigError` unless it is in :data:`SUPPORTED_RANGE`."""
     try:
-        release = _release(str(version))
+        release_ = release(str(version))
     except ValueError:
         raise KVCachedConfigError(
             f"kvcached cannot read the vLLM version {version!r}; it supports vLLM {SUPPORTED_RANGE}. "
             "Install a supported vLLM or unset ENABLE_KVCACHED."
         ) from None
-    if not (MIN_VERSION <= release < MAX_VERSION_EXCLUSIVE):
+    if not (MIN_VERSION <= release_ < MAX_VERSION_EXCLUSIVE):
         raise KVCachedConfigError(
             f"kvcached does not support vLLM {version}: its hooks are written for vLLM {SUPPORTED_RANGE}. "
-            "Install a supported vLLM (e.g. pip install 'vllm>=0.32,<0.33'), or unset ENABLE_KVCACHED to run "
+            f"Install a supported vLLM (pip install 'vllm{SUPPORTED_RANGE}'), or unset ENABLE_KVCACHED to run "
             "vLLM without kvcached."
         )
+    return release_
 
 
 def installed_vllm_version() -> str:

@@ -1,0 +1,81 @@
+"""What kvcached chooses under vLLM: layout, attention backend, and this engine's memory cap.
+
+Pure decisions from environment variables, the platform and vLLM's cache config;
+no hooks here, so every other module of the integration may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from kvcached import config
+from kvcached.errors import KVCachedConfigError
+
+BACKEND_NAME = "KVCACHED"
+BACKEND_PATH = "kvcached.integration.vllm.backend.KVCachedAttentionBackend"
+
+
+def attention_backend_choice() -> str:
+    """``KVCACHED_ATTENTION_BACKEND``: ``auto`` (default), ``kvcached`` (force ours) or ``vllm`` (never ours)."""
+    value = (os.environ.get("KVCACHED_ATTENTION_BACKEND") or "auto").strip().lower()
+    aliases = {"auto": "auto", "kvcached": "kvcached", "triton": "kvcached", "vllm": "vllm", "off": "vllm"}
+    if value not in aliases:
+        raise KVCachedConfigError(
+            f"KVCACHED_ATTENTION_BACKEND={value!r} is not one of auto, kvcached, vllm."
+        )
+    return aliases[value]
+
+
+def is_rocm() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_rocm())
+
+
+def contiguous_layout() -> bool:
+    """The layout kvcached uses under vLLM: ``KVCACHED_CONTIGUOUS_LAYOUT`` when set; else contiguous.
+
+    On ROCm the default is contiguous only because our stride-aware backend is then
+    chosen automatically; with ``KVCACHED_ATTENTION_BACKEND=vllm`` it stays per-layer.
+    """
+    explicit = config.contiguous_layout_override()
+    if explicit is not None:
+        return explicit
+    if is_rocm():
+        return attention_backend_choice() != "vllm"
+    return True
+
+
+def wants_kvcached_backend(selected: Any, selector: Any) -> bool:
+    if getattr(selector, "use_mla", False) or getattr(selector, "use_sparse", False):
+        return False
+    choice = attention_backend_choice()
+    if selected is not None and getattr(selected, "name", None) == BACKEND_NAME:
+        return True
+    if choice == "kvcached":
+        return True
+    return choice == "auto" and is_rocm() and contiguous_layout()
+
+
+def _default_utilization(cache_config: Any) -> float | None:
+    for f in dataclasses.fields(type(cache_config)) if dataclasses.is_dataclass(cache_config) else ():
+        if f.name == "gpu_memory_utilization" and f.default is not dataclasses.MISSING:
+            return float(f.default)
+    return None
+
+
+def memory_flag(cache_config: Any) -> str | None:
+    """Which of vLLM's memory flags the user set: ``kv_cache_memory_bytes``, ``gpu_memory_utilization`` or None.
+
+    vLLM keeps no record of whether ``--gpu-memory-utilization`` was given, so a value
+    equal to vLLM's default counts as not given (documented in README).
+    """
+    if getattr(cache_config, "kv_cache_memory_bytes", None):
+        return "kv_cache_memory_bytes"
+    util = getattr(cache_config, "gpu_memory_utilization", None)
+    default = _default_utilization(cache_config)
+    if util is not None and default is not None and abs(float(util) - default) > 1e-9:
+        return "gpu_memory_utilization"
+    return None
