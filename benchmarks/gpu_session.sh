@@ -1,35 +1,56 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: build the extension, run the GPU tests, the benchmarks
-# and the compile check; everything lands under $OUT (logs + results tarball).
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|vmm|kernels|quick]
+# One call on a GPU machine: build kvcached, run the GPU tests and the benchmarks; everything lands under $OUT.
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|vllm|serving|vmm|kernels|quick] [BUNDLE_DIR]
+# With a vLLM bundle (../shared/tools/vllm-gpu-bundle/build.sh BUNDLE_DIR; default .gpu-bundle) vLLM's CUDA
+# build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
+bundle="${2:-.gpu-bundle}"
 OUT="${OUT:-/tmp/kvcached_out}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/session.log"; }
+has() { [[ "$what" == all || " ${what//,/ } " == *" $1 "* ]]; }
 
 log "machine"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } | tee -a "$OUT/session.log"
 
-log "build"
-# FACTS.md: the image's default g++ breaks ABI with torch; the system one works.
-CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; exit 1; }
-
-if [[ "$what" == all || "$what" == tests || "$what" == smoke ]]; then
-  log "gpu tests"
-  timeout 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e --tb=line 2>&1 | tee "$OUT/gpu_tests_full.log" | tail -40
+if [[ -f "$bundle/setup.sh" ]]; then
+  log "vLLM bundle"
+  # shellcheck disable=SC1091
+  source "$bundle/setup.sh" && python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$OUT/session.log"
 fi
-if [[ "$what" == all || "$what" == vmm || "$what" == smoke ]]; then
+
+log "build + install"
+# FACTS.md: the image's default g++ breaks ABI with torch; the system one works. Editable install: the
+# entry point (vllm.general_plugins) is registered, the code stays this checkout.
+CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . \
+  >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+python3 -c "from importlib.metadata import entry_points as e; print('plugin', [x.value for x in e(group='vllm.general_plugins')])" | tee -a "$OUT/session.log"
+
+if has tests || has quick; then
+  log "gpu tests (kernels, VMM, async unmap)"
+  timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e \
+    --ignore=tests/gpu/test_vllm_gpu.py --tb=short 2>&1 | tee "$OUT/gpu_tests_full.log" | tail -25
+fi
+if has vllm; then
+  log "gpu vLLM tests"
+  timeout 560 python3 -m pytest -q -s tests/gpu/test_vllm_gpu.py tests/gpu/test_async_unmap_gpu.py \
+    -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_vllm_tests.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
+fi
+if has serving; then
+  log "bench_serving"
+  timeout 560 python3 benchmarks/bench_serving.py ${SERVING_ARGS:-} 2>&1 | tee "$OUT/bench_serving.log" | tail -30
+fi
+if has vmm; then
   log "bench_vmm"
   timeout 90 python3 benchmarks/bench_vmm.py 2>&1 | tail -60 | tee "$OUT/bench_vmm.log"
 fi
-if [[ "$what" == all || "$what" == kernels || "$what" == quick || "$what" == smoke ]]; then
+if has kernels || has quick; then
   log "bench_kernels"
-  mode=""; [[ "$what" == quick || "$what" == smoke ]] && mode="--quick"
+  mode=""; [[ "$what" == quick ]] && mode="--quick"
   timeout 300 python3 benchmarks/bench_kernels.py $mode ${BENCH_ARGS:-} 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
 fi
 log "collect"

@@ -6,11 +6,18 @@ switch are all per-process). Usage::
 
     python engine_runner.py '<json spec>'
 
-Spec keys: ``model`` (dir), ``prompts`` (list of str), ``max_tokens``, ``dtype``,
-``attention_backend`` (vLLM name or null), ``max_num_seqs``, ``ipc_name`` (the
-/dev/shm segment to sample, or null), ``settle_s`` (how long to wait after the
-run for the mapped memory to fall), ``limit_bytes`` (a kvctl-style limit written
-to the segment before the run), ``repeat`` (generate that many times).
+Spec keys: ``model`` (dir), ``prompts`` (list of str) or ``prompt_token_ids``,
+``max_tokens``, ``dtype``, ``max_num_seqs``, ``ipc_name`` (the /dev/shm segment to
+sample, or null), ``settle_s`` (how long to wait after the run for the mapped memory
+to fall), ``repeat`` (generate that many times) or ``phases`` (a list of
+``{"generate": true}``, ``{"limit_bytes": N}`` (as kvctl sets it; -1 lifts it),
+``{"settle_s": x}``), ``prompt_logprobs`` (k: teacher-forced logprobs of the prompts),
+``ready_file`` / ``wait_file`` / ``signal_file`` (written after start / waited for
+before the first phase / written after the last), ``linger_s``, and vLLM's own
+``attention_backend``, ``enforce_eager``, ``gpu_memory_utilization``,
+``kv_cache_memory_bytes``, ``load_format``, ``async_scheduling``,
+``compilation_config``, ``max_num_batched_tokens``, ``block_size``,
+``skip_tokenizer_init``, ``enable_prefix_caching``, ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -27,13 +34,19 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _device_free() -> int | None:
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
+
+
 class Sampler:
     """Reads ``used_size`` from a kvcached /dev/shm segment every ``period`` seconds."""
 
     def __init__(self, name: str | None, period: float = 0.02) -> None:
         self.name = name
         self.period = period
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, int, int | None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -51,7 +64,7 @@ class Sampler:
         while not self._stop.is_set():
             used = self.read()
             if used is not None:
-                self.samples.append((time.time(), used))  # wall clock: comparable across engines
+                self.samples.append((time.time(), used, _device_free()))  # wall clock: comparable across engines
             self._stop.wait(self.period)
 
     def __enter__(self) -> Sampler:
@@ -63,38 +76,91 @@ class Sampler:
         self._thread.join()
 
 
+def _prompts(spec: dict) -> list:
+    if spec.get("prompt_token_ids"):
+        from vllm.inputs import TokensPrompt
+
+        return [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompt_token_ids"]]
+    return spec["prompts"]
+
+
+def _teacher_forced(results: list, spec: dict) -> list[dict]:
+    """Per prompt: the logprob vLLM gave each actual next prompt token, and its top-1 token."""
+    out = []
+    for r in results:
+        ids = list(r.prompt_token_ids)
+        lps, top = [], []
+        for pos, entry in enumerate(r.prompt_logprobs or []):
+            if entry is None or pos == 0:
+                continue
+            lps.append(float(entry[ids[pos]].logprob))
+            top.append(int(min(entry.items(), key=lambda kv: kv[1].rank)[0]))
+        out.append({"logprobs": lps, "top1": top, "targets": ids[1:]})
+    return out
+
+
+def _wait_for(path: str | None, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while path and not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(model=spec["model"], max_model_len=spec.get("max_model_len", 256), enforce_eager=True,
-                  dtype=spec.get("dtype", "float32"), seed=0, max_num_seqs=spec.get("max_num_seqs", 16))
-    if spec.get("attention_backend"):
-        kwargs["attention_backend"] = spec["attention_backend"]
-    if "enable_prefix_caching" in spec:
-        kwargs["enable_prefix_caching"] = spec["enable_prefix_caching"]
+    kwargs = dict(model=spec["model"], max_model_len=spec.get("max_model_len", 256),
+                  enforce_eager=spec.get("enforce_eager", True), dtype=spec.get("dtype", "float32"), seed=0,
+                  max_num_seqs=spec.get("max_num_seqs", 16))
+    for key in ("attention_backend", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory_bytes",
+                "load_format", "async_scheduling", "compilation_config", "max_num_batched_tokens", "block_size",
+                "skip_tokenizer_init"):
+        if spec.get(key) is not None:
+            kwargs[key] = spec[key]
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     start_s = time.monotonic() - t0
+    if spec.get("ready_file"):
+        open(spec["ready_file"], "w").close()
     sampler = Sampler(spec.get("ipc_name"))
     idle_before = sampler.read()
-    if spec.get("limit_bytes") is not None:
-        import subprocess
-
-        subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", "limit", spec["ipc_name"],
-                        str(int(spec["limit_bytes"]))], check=True)
-        time.sleep(0.5)  # the engine's monitor applies it within one period
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True)
-    outputs = []
-    cached_tokens = []
-    t1 = time.monotonic()
+    prompts = _prompts(spec)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
+                            detokenize=not spec.get("skip_tokenizer_init", False))
+    outputs, cached_tokens, phases = [], [], []
+    teacher = None
     with sampler:
-        for _ in range(spec.get("repeat", 1)):
-            results = llm.generate(spec["prompts"], params, use_tqdm=False)
-            outputs.append([list(r.outputs[0].token_ids) for r in results])
-            cached_tokens.append([int(r.num_cached_tokens or 0) for r in results])
+        _wait_for(spec.get("wait_file"))
+        t1 = time.monotonic()
+        # phases: {"generate": true} | {"limit_bytes": N} (as kvctl sets it; -1 lifts it) | {"settle_s": x}
+        for phase in spec.get("phases") or [{"generate": True}] * spec.get("repeat", 1):
+            record = {"phase": phase, "used_before": sampler.read(), "t0": time.time()}
+            if phase.get("limit_bytes") is not None:
+                import subprocess
+
+                subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", "limit", spec["ipc_name"],
+                                str(int(phase["limit_bytes"]))], check=True)
+                time.sleep(0.5)  # the engine's monitor applies it within one period
+            if phase.get("generate"):
+                results = llm.generate(prompts, params, use_tqdm=False)
+                tokens = [list(r.outputs[0].token_ids) for r in results]
+                outputs.append(tokens)
+                record["tokens"] = tokens
+                cached_tokens.append([int(r.num_cached_tokens or 0) for r in results])
+            time.sleep(phase.get("settle_s", 0.0))
+            record["used_after"] = sampler.read()
+            record["t1"] = time.time()
+            phases.append(record)
+        if spec.get("prompt_logprobs"):
+            tp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=int(spec["prompt_logprobs"]))
+            teacher = _teacher_forced(llm.generate(prompts, tp, use_tqdm=False), spec)
         run_s = time.monotonic() - t1
         time.sleep(spec.get("settle_s", 0.0))
+        if spec.get("signal_file"):
+            open(spec["signal_file"], "w").close()
+        time.sleep(spec.get("linger_s", 0.0))
     after = sampler.read()
     backend = None
     cached_blocks = None
@@ -108,10 +174,19 @@ def main() -> None:
             cached_blocks = pool.free_block_queue.num_free_blocks  # ours holds only cached blocks
     except Exception as exc:  # only diagnostics
         pool_kind = f"unknown ({exc})"
+    limit = None
+    if spec.get("ipc_name"):
+        from kvcached import mem_info
+
+        try:
+            limit = int(mem_info.read_segment(spec["ipc_name"]).limit)
+        except (FileNotFoundError, ValueError):
+            pass
     print("RESULT " + json.dumps({
-        "tokens": outputs[0], "all_tokens": outputs, "start_s": start_s, "run_s": run_s,
-        "idle_before": idle_before, "after": after, "samples": sampler.samples,
+        "tokens": outputs[0] if outputs else None, "all_tokens": outputs, "start_s": start_s, "run_s": run_s,
+        "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
+        "teacher": teacher, "limit": limit, "runner": type(runner).__module__ if backend else None,
     }), flush=True)
 
 

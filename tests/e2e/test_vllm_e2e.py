@@ -41,7 +41,7 @@ def _kvcached_env(name: str, **extra: str) -> dict[str, str]:
 
 
 def _check_elastic(result: dict, in_process: bool = True) -> None:
-    used = [u for _, u in result["samples"]]
+    used = [u for _, u, _ in result["samples"]]
     idle = result["idle_before"]
     assert idle is not None and used, "the engine published no /dev/shm segment"
     if in_process:  # with the engine core in its own process the runner cannot look inside
@@ -79,9 +79,9 @@ def test_kvcached_triton_backend_matches_vllm(tiny_model: str, baseline_short_bf
 def test_kvctl_limit_below_demand_makes_requests_wait(tiny_model: str, baseline_burst: dict) -> None:
     name = "kvcached_e2e_limit"
     limit = 2 * PAGE_GROUP  # the null block's page plus one more: a third of what the burst wants
-    result = run_engine({"model": tiny_model, **BURST, "ipc_name": name, "limit_bytes": limit, "settle_s": 0.5},
-                        _kvcached_env(name))
-    used = [u for _, u in result["samples"]]
+    result = run_engine({"model": tiny_model, **BURST, "ipc_name": name, "settle_s": 0.5,
+                         "phases": [{"limit_bytes": limit, "generate": True}]}, _kvcached_env(name))
+    used = [u for _, u, _ in result["samples"]]
     assert used and max(used) <= limit, f"mapped {max(used)} B over the {limit} B limit"
     assert all(len(t) == BURST["max_tokens"] for t in result["tokens"]), "a request did not complete"
     assert result["tokens"] == baseline_burst["tokens"]
@@ -165,7 +165,7 @@ def test_two_engines_share_memory(tiny_model: str, baseline_burst: dict) -> None
         assert r["tokens"] == baseline_burst["tokens"]
         assert all(tokens == baseline_burst["tokens"] for tokens in r["all_tokens"])
     a, b = (r["samples"] for r in results)
-    peak_a, peak_b = max(u for _, u in a), max(u for _, u in b)
+    peak_a, peak_b = max(u for _, u, _ in a), max(u for _, u, _ in b)
     # both engines grew well past idle, and their peaks could not have been held at the same time:
     # memory one engine gave back was used by the other while both ran ...
     assert min(peak_a, peak_b) >= 3 * PAGE_GROUP, (peak_a, peak_b)
@@ -174,7 +174,7 @@ def test_two_engines_share_memory(tiny_model: str, baseline_burst: dict) -> None
     # engine samples on its own clock, so a page one engine has just freed can still show in its
     # sample while the other has taken it: the exact bound, kv_room, is checked by the native
     # tests in tests/test_native_host_shared.py, which control both sides.)
-    for t, used_a in a:
-        near = [u for tb, u in b if abs(tb - t) < 0.01]
+    for t, used_a, _ in a:
+        near = [u for tb, u, _ in b if abs(tb - t) < 0.01]
         if near:
             assert used_a + min(near) <= budget, f"{used_a} + {min(near)} B mapped at once, budget {budget} B"

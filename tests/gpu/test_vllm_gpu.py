@@ -1,0 +1,242 @@
+"""kvcached under vLLM's CUDA build on a real GPU: same tokens, safe under async scheduling and CUDA graphs.
+
+Needs a GPU and vLLM (on our H200: ``benchmarks/gpu_session.sh`` with the vLLM bundle);
+skipped otherwise. Every engine runs in its own process (``tests/e2e/engine_runner.py``)
+with CUDA graphs and async scheduling on. The independent engines start together (one
+GPU holds them all) so the suite costs about one engine start; the two-engine hand-over
+runs alone, against a ballast that leaves room for one burst at a time.
+
+Models, made here (no downloads): ``small``, a 4-layer Llama (8 query / 2 KV heads of 64)
+with random weights scaled for peaked logits, and ``8b``, Llama-3-8B's shape (32 layers,
+32 / 8 heads of 128, 14336 MLP, 128256 vocabulary) with vLLM's dummy weights and token-id
+prompts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+E2E = Path(__file__).resolve().parent.parent / "e2e"
+sys.path.insert(0, str(E2E))
+from harness import engine_env, finish_engine, start_engine  # noqa: E402
+from tiny_model import BURST_PROMPTS, PROMPTS, make_tiny_model  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+GiB = 1 << 30
+MiB = 1 << 20
+GRAPHS = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]}
+COMMON = {"dtype": "bfloat16", "enforce_eager": False, "async_scheduling": True, "compilation_config": GRAPHS,
+          "max_model_len": 1024, "max_num_seqs": 64}
+SHORT = {"prompts": PROMPTS * 4, "max_tokens": 48, "prompt_logprobs": 1}
+BURST = {"prompts": BURST_PROMPTS, "max_tokens": 200}
+LOGPROB_TOL = 0.06  # bf16: two correct attention kernels differ by rounding only
+PAGE_GROUP_SMALL = 4 * 2 * MiB  # 4 layers x one 2 MiB page (a vLLM page is kept whole)
+
+
+def _tokens_8b(n: int, length: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+
+
+def _gpu_env(**extra: str | None) -> dict[str, str]:
+    return engine_env(TRITON_INTERPRET=None, VLLM_CPU_KVCACHE_SPACE=None, **extra)
+
+
+def _kv_env(name: str, **extra: str | None) -> dict[str, str]:
+    return _gpu_env(ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name, KVCACHED_MAX_CACHED_TOKENS="0", **extra)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    small = make_tiny_model(tmp_path_factory.mktemp("small_llama"), hidden_size=512, num_heads=8, num_kv_heads=2,
+                            num_layers=4)
+    big = tmp_path_factory.mktemp("llama3_8b_shape")
+    (big / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    }))
+    return {"small": str(small), "8b": str(big)}
+
+
+def _specs(models: dict[str, str]) -> dict[str, tuple[dict, dict]]:
+    small, big = models["small"], models["8b"]
+    plain = {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 2 * GiB}
+    big_prompts = {"prompt_token_ids": _tokens_8b(32, 256), "max_tokens": 64, "load_format": "dummy",
+                   "skip_tokenizer_init": True}
+    return {
+        "plain_short": ({"model": small, **COMMON, **SHORT, **plain}, _gpu_env()),
+        "plain_burst": ({"model": small, **COMMON, **BURST, **plain}, _gpu_env()),
+        "contiguous": ({"model": small, **COMMON, **BURST, "ipc_name": "kvc_gpu_contig", "settle_s": 1.0,
+                        "kv_cache_memory_bytes": 2 * GiB},
+                       _kv_env("kvc_gpu_contig", KVCACHED_CONTIGUOUS_LAYOUT="true")),
+        "per_layer": ({"model": small, **COMMON, **BURST, "ipc_name": "kvc_gpu_perlayer", "settle_s": 1.0,
+                       "gpu_memory_utilization": 0.5},
+                      _kv_env("kvc_gpu_perlayer", KVCACHED_CONTIGUOUS_LAYOUT="false")),
+        "older_runner": ({"model": small, **COMMON, **BURST, "ipc_name": "kvc_gpu_v1runner", "settle_s": 1.0},
+                         _kv_env("kvc_gpu_v1runner", VLLM_USE_V2_MODEL_RUNNER="0")),
+        "ours": ({"model": small, **COMMON, **SHORT, "attention_backend": "KVCACHED", "ipc_name": "kvc_gpu_ours"},
+                 _kv_env("kvc_gpu_ours")),
+        "phases": ({"model": small, **COMMON, **BURST, "ipc_name": "kvc_gpu_phases", "phases": [
+            {"settle_s": 0.5},  # idle
+            {"generate": True, "settle_s": 1.0},  # burst grows, drain shrinks
+            {"limit_bytes": 3 * PAGE_GROUP_SMALL},  # a cut far below the burst's demand
+            {"generate": True, "settle_s": 0.5},  # preemption under the cut
+            {"limit_bytes": -1},
+            {"generate": True, "settle_s": 1.0},  # recover
+        ]}, _kv_env("kvc_gpu_phases")),
+        "plain_8b": ({"model": big, **COMMON, **big_prompts, "gpu_memory_utilization": 0.3,
+                      "kv_cache_memory_bytes": 8 * GiB}, _gpu_env()),
+        "kv_8b": ({"model": big, **COMMON, **big_prompts, "ipc_name": "kvc_gpu_8b", "settle_s": 1.0},
+                  _kv_env("kvc_gpu_8b")),
+    }
+
+
+def _wait_ready(procs: dict, files: dict[str, Path], timeout: float = 900) -> None:
+    """Until every engine has started (or exited): no engine drains or exits while another profiles memory."""
+    deadline = time.monotonic() + timeout
+    while not all(files[n].exists() or procs[n].poll() is not None for n in procs):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engines not up within {timeout} s: {[n for n in procs if not files[n].exists()]}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def runs(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every independent engine, started together; results by name (an engine's failure is its test's)."""
+    gate = tmp_path_factory.mktemp("gate")
+    procs, ready = {}, {}
+    for name, (spec, env) in _specs(models).items():
+        ready[name] = gate / f"{name}.ready"
+        procs[name] = start_engine({**spec, "ready_file": str(ready[name]), "wait_file": str(gate / "go")}, env)
+    _wait_ready(procs, ready)
+    (gate / "go").touch()
+    out: dict[str, dict] = {}
+    for name, proc in procs.items():
+        try:
+            out[name] = finish_engine(proc, timeout=900)
+        except AssertionError as exc:
+            out[name] = {"error": str(exc)}
+    return out
+
+
+def _ok(runs: dict[str, dict], name: str) -> dict:
+    r = runs[name]
+    assert "error" not in r, f"engine {name} failed:\n{r.get('error')}"
+    return r
+
+
+def _used(r: dict) -> list[int]:
+    return [u for _, u, _ in r["samples"]]
+
+
+@pytest.mark.parametrize("name", ["contiguous", "per_layer", "older_runner"])
+def test_greedy_tokens_equal_plain_vllm(runs: dict[str, dict], name: str) -> None:
+    """FLASH_ATTN on kvcached's memory, both layouts and both model runners: the very same tokens."""
+    base, r = _ok(runs, "plain_burst"), _ok(runs, name)
+    assert r["pool"] == "KVCachedBlockPool" and r["backend"] == "FLASH_ATTN", (r["pool"], r["backend"])
+    assert r["tokens"] == base["tokens"]
+    used = _used(r)
+    assert max(used) >= r["idle_before"] + 3 * PAGE_GROUP_SMALL, "mapped memory never rose under the burst"
+    assert r["after"] == r["idle_before"], f"mapped memory did not fall back: {r['idle_before']} -> {r['after']}"
+
+
+def test_older_runner_was_used(runs: dict[str, dict]) -> None:
+    assert "gpu_model_runner" in _ok(runs, "older_runner")["runner"]
+    assert "gpu.model_runner" in _ok(runs, "contiguous")["runner"]
+
+
+def test_memory_flags_become_the_engine_limit(runs: dict[str, dict]) -> None:
+    contiguous, per_layer = _ok(runs, "contiguous"), _ok(runs, "per_layer")
+    assert contiguous["limit"] == 2 * GiB  # --kv-cache-memory-bytes, as kvctl shows it
+    total = torch.cuda.mem_get_info()[1]
+    # --gpu-memory-utilization 0.5: half the device less the engine's weights and activations
+    assert 0.3 * total < per_layer["limit"] < 0.5 * total, per_layer["limit"]
+    assert max(_used(contiguous)) <= 2 * GiB
+    assert _ok(runs, "older_runner")["limit"] == -1  # neither flag: no cap, as before
+
+
+def test_kvcached_backend_matches_flash_attn(runs: dict[str, dict]) -> None:
+    base, ours = _ok(runs, "plain_short"), _ok(runs, "ours")
+    assert ours["backend"] == "KVCACHED"
+    diffs, agree, total = [], 0, 0
+    for a, b in zip(base["teacher"], ours["teacher"], strict=True):
+        assert a["targets"] == b["targets"]
+        diffs += [abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)]
+        agree += sum(x == y for x, y in zip(a["top1"], b["top1"], strict=True))
+        total += len(a["top1"])
+    assert total > 100 and all(math.isfinite(d) for d in diffs)
+    print(f"teacher-forced logprobs: max |diff| {max(diffs):.4f}, top-1 agreement {agree}/{total}")
+    assert max(diffs) <= LOGPROB_TOL
+    assert agree >= 0.99 * total
+
+
+def test_limit_cut_preempts_and_every_request_completes_unchanged(runs: dict[str, dict]) -> None:
+    """Upstream kvcached's elastic phases: idle, burst grows, drain shrinks, limit cut, recover."""
+    r = _ok(runs, "phases")
+    idle, burst, _, cut, _, recover = r["phases"]
+    base = _ok(runs, "plain_burst")["tokens"]
+    assert burst["tokens"] == base and cut["tokens"] == base and recover["tokens"] == base
+    in_burst = [u for t, u, _ in r["samples"] if burst["t0"] <= t <= burst["t1"]]
+    in_cut = [u for t, u, _ in r["samples"] if cut["t0"] <= t <= cut["t1"]]
+    assert max(in_burst) >= idle["used_after"] + 5 * PAGE_GROUP_SMALL, "the burst did not grow the pool"
+    assert burst["used_after"] <= idle["used_after"], "the drain did not shrink the pool"
+    assert max(in_cut) <= 3 * PAGE_GROUP_SMALL, f"mapped {max(in_cut)} B under a {3 * PAGE_GROUP_SMALL} B limit"
+
+
+def test_llama3_8b_shape_greedy_equal(runs: dict[str, dict]) -> None:
+    base, r = _ok(runs, "plain_8b"), _ok(runs, "kv_8b")
+    assert r["pool"] == "KVCachedBlockPool"
+    assert r["tokens"] == base["tokens"]
+    assert r["after"] == r["idle_before"]
+
+
+def test_two_engines_hand_memory_over(models: dict[str, str], runs: dict[str, dict], tmp_path: Path) -> None:
+    """Two 8B-shaped engines; A bursts and drains, then B bursts into memory that only A's drain left free.
+
+    Once both are up, a ballast in this process leaves room for one burst (and a little),
+    measured from the solo kvcached run of the same prompts.
+    """
+    solo, base = _ok(runs, "kv_8b"), _ok(runs, "plain_8b")["tokens"]
+    burst = max(_used(solo)) - solo["idle_before"]
+    procs, ready = {}, {}
+    for name, wait, signal in (("a", "go", "a_done"), ("b", "a_done", None)):
+        ready[name] = tmp_path / f"{name}.ready"
+        spec = {**_specs(models)["kv_8b"][0], "ipc_name": f"kvc_gpu_two_{name}", "settle_s": 1.0,
+                "linger_s": 1.0 if name == "a" else 0.0, "ready_file": str(ready[name]),
+                "wait_file": str(tmp_path / wait), "signal_file": str(tmp_path / signal) if signal else None}
+        procs[name] = start_engine(spec, _kv_env(f"kvc_gpu_two_{name}", KVCACHED_MIN_RESERVED_PAGES="1",
+                                                 KVCACHED_MAX_RESERVED_PAGES="2"))
+    _wait_ready(procs, ready)
+    free, _ = torch.cuda.mem_get_info()
+    room = int(1.5 * burst) + 8 * 32 * 2 * MiB  # one burst and a half, plus the engines' reserves
+    ballast = torch.empty(max(0, free - room), dtype=torch.uint8, device="cuda")
+    try:
+        (tmp_path / "go").touch()
+        a, b = (finish_engine(procs[n], timeout=900) for n in ("a", "b"))
+    finally:
+        del ballast
+        torch.cuda.empty_cache()
+    assert a["tokens"] == base and b["tokens"] == base
+    a_peak, b_peak = max(_used(a)), max(_used(b))
+    assert a["after"] == a["idle_before"] and b["after"] == b["idle_before"]
+    free_at_a_peak = min(f for _, u, f in a["samples"] if u == a_peak)
+    b_burst = b_peak - b["idle_before"]
+    print(f"burst {burst / MiB:.0f} MiB; A peak {a_peak / MiB:.0f} MiB with {free_at_a_peak / MiB:.0f} MiB free "
+          f"on the device; B's burst {b_burst / MiB:.0f} MiB")
+    assert b_burst > free_at_a_peak, "B's burst would have fitted beside A's: no hand-over shown"
