@@ -62,3 +62,13 @@ def test_bad_backend_choice_is_refused(on) -> None:
     on(rocm=False, choice="flashy")
     with pytest.raises(KVCachedConfigError, match="KVCACHED_ATTENTION_BACKEND"):
         settings.attention_backend_choice()
+
+
+def test_memory_flags_are_read_from_vllms_cache_config() -> None:
+    from vllm.config import CacheConfig
+
+    assert settings.memory_flag(CacheConfig()) is None  # vLLM's defaults: elastic, no cap
+    assert settings.memory_flag(CacheConfig(gpu_memory_utilization=0.5)) == "gpu_memory_utilization"
+    assert settings.memory_flag(CacheConfig(kv_cache_memory_bytes=1 << 30)) == "kv_cache_memory_bytes"
+    assert settings.memory_flag(CacheConfig(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 30)) == \
+        "kv_cache_memory_bytes"

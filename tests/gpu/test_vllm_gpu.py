@@ -39,9 +39,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 GRAPHS = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]}
 COMMON = {"dtype": "bfloat16", "enforce_eager": False, "async_scheduling": True, "compilation_config": GRAPHS,
-          "max_model_len": 1024, "max_num_seqs": 64}
+          "max_model_len": 512, "max_num_seqs": 64}
 SHORT = {"prompts": PROMPTS * 4, "max_tokens": 48, "prompt_logprobs": 1}
-BURST = {"prompts": BURST_PROMPTS, "max_tokens": 200}
+BURST = {"prompts": BURST_PROMPTS, "max_tokens": 480}
 LOGPROB_TOL = 0.06  # bf16: two correct attention kernels differ by rounding only
 PAGE_GROUP_SMALL = 4 * 2 * MiB  # 4 layers x one 2 MiB page (a vLLM page is kept whole)
 
@@ -78,7 +78,7 @@ def _specs(models: dict[str, str]) -> dict[str, tuple[dict, dict]]:
     small, big = models["small"], models["8b"]
     plain = {"gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": 2 * GiB}
     big_prompts = {"prompt_token_ids": _tokens_8b(32, 256), "max_tokens": 64, "load_format": "dummy",
-                   "skip_tokenizer_init": True}
+                   "skip_tokenizer_init": True, "max_model_len": 1024}
     return {
         "plain_short": ({"model": small, **COMMON, **SHORT, **plain}, _gpu_env()),
         "plain_burst": ({"model": small, **COMMON, **BURST, **plain}, _gpu_env()),
@@ -194,7 +194,7 @@ def test_limit_cut_preempts_and_every_request_completes_unchanged(runs: dict[str
     assert burst["tokens"] == base and cut["tokens"] == base and recover["tokens"] == base
     in_burst = [u for t, u, _ in r["samples"] if burst["t0"] <= t <= burst["t1"]]
     in_cut = [u for t, u, _ in r["samples"] if cut["t0"] <= t <= cut["t1"]]
-    assert max(in_burst) >= idle["used_after"] + 5 * PAGE_GROUP_SMALL, "the burst did not grow the pool"
+    assert max(in_burst) >= idle["used_after"] + 4 * PAGE_GROUP_SMALL, "the burst did not grow the pool"
     assert burst["used_after"] <= idle["used_after"], "the drain did not shrink the pool"
     assert max(in_cut) <= 3 * PAGE_GROUP_SMALL, f"mapped {max(in_cut)} B under a {3 * PAGE_GROUP_SMALL} B limit"
 

@@ -62,7 +62,8 @@ def wants_kvcached_backend(selected: Any, selector: Any) -> bool:
 def _default_utilization(cache_config: Any) -> float | None:
     for f in dataclasses.fields(type(cache_config)) if dataclasses.is_dataclass(cache_config) else ():
         if f.name == "gpu_memory_utilization" and f.default is not dataclasses.MISSING:
-            return float(f.default)
+            default = getattr(f.default, "default", f.default)  # pydantic dataclasses wrap it in a FieldInfo
+            return float(default) if isinstance(default, (int, float)) else None
     return None
 
 
