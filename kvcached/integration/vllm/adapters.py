@@ -13,6 +13,10 @@ models on GPUs):
 * 0.29 - 0.32 (``VIEWS``): one ``allocate_kv_cache`` builds every view. Hooked: that name in
   ``gpu_model_runner`` and ``gpu.attn_utils``; views from :func:`kv_alloc.allocate_kv_cache`.
 
+Attention backend name: 0.32 registers new names (``KVCACHED``); older versions only
+override ``CUSTOM``, so there ``KVCACHED`` is registered as ``CUSTOM`` and the name
+``KVCACHED`` is resolved to it (:func:`register_attention_backend`).
+
 Block pool: 0.30+ adds ``_reuse_watchers`` and ``KVCacheBlock.pool`` (read with ``getattr``
 in ``block_pool``).
 
@@ -161,6 +165,32 @@ def _install_profiling_cache(gmr: Any) -> None:
             return minimal(self, *args, **kwargs)
 
     runner_cls._init_minimal_kv_cache_for_profiling = _mark(init_minimal_kv_cache_for_profiling)
+
+
+def register_attention_backend(name: str, path: str) -> None:
+    """Make ``attention_backend=name`` select ``path`` on every supported vLLM."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from kvcached.integration.vllm import settings
+
+    if hasattr(AttentionBackendEnum, "register"):  # 0.32: a name of its own
+        if name not in AttentionBackendEnum.__members__:
+            register_backend(name, path)
+        return
+    register_backend(AttentionBackendEnum.CUSTOM, path)
+    settings.BACKEND_ALIASES.add("CUSTOM")
+    meta = type(AttentionBackendEnum)
+    getitem = meta.__getitem__
+    if _hooked(getitem):
+        return
+
+    @functools.wraps(getitem)
+    def __getitem__(cls: Any, key: Any) -> Any:
+        if cls is AttentionBackendEnum and isinstance(key, str) and key.upper() == name:
+            return cls.CUSTOM
+        return getitem(cls, key)
+
+    meta.__getitem__ = _mark(__getitem__)
 
 
 def install_kv_allocation(version: str, release: tuple[int, ...]) -> str:

@@ -34,10 +34,10 @@ _applied = False
 
 def _patch_attention_selection() -> None:
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if settings.BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(settings.BACKEND_NAME, settings.BACKEND_PATH)
+    from kvcached.integration.vllm import adapters
+
+    adapters.register_attention_backend(settings.BACKEND_NAME, settings.BACKEND_PATH)
     cls = type(current_platform)
     original = cls.get_attn_backend_cls
     if getattr(original, "_kvcached", False):
@@ -77,13 +77,14 @@ def _patch_worker_side() -> None:
         request_memory._kvcached = True  # type: ignore[attr-defined]
         gw.request_memory = request_memory
 
+    from vllm.platforms import current_platform
+
     workers = [gw.Worker]
-    try:
+    if current_platform.is_cpu():
+        # only there: importing vLLM's CPU worker replaces torch.cuda.Event process-wide
         import vllm.v1.worker.cpu_worker as cw
 
         workers.append(cw.CPUWorker)
-    except ImportError:  # a GPU build without the CPU worker
-        pass
     for worker_cls in workers:
         original = worker_cls.__dict__.get("determine_available_memory")
         if original is None or getattr(original, "_kvcached", False):

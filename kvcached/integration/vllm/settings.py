@@ -15,6 +15,8 @@ from kvcached.errors import KVCachedConfigError
 
 BACKEND_NAME = "KVCACHED"
 BACKEND_PATH = "kvcached.integration.vllm.backend.KVCachedAttentionBackend"
+# names under which vLLM may hand our backend back (vLLM < 0.32 registers it as CUSTOM)
+BACKEND_ALIASES = {BACKEND_NAME}
 
 
 def attention_backend_choice() -> str:
@@ -52,7 +54,7 @@ def wants_kvcached_backend(selected: Any, selector: Any) -> bool:
     if getattr(selector, "use_mla", False) or getattr(selector, "use_sparse", False):
         return False
     choice = attention_backend_choice()
-    if selected is not None and getattr(selected, "name", None) == BACKEND_NAME:
+    if selected is not None and getattr(selected, "name", None) in BACKEND_ALIASES:
         return True
     if choice == "kvcached":
         return True
