@@ -76,6 +76,13 @@ def test_limit_and_limit_percent(live, capsys: pytest.CaptureFixture[str]) -> No
     assert kvctl.main(["limit-percent", name, "50"]) == 0
     info = mem_info.read_segment(name)
     assert info.limit == info.device_total // 2
+    assert kvctl.main(["limit", name, "none"]) == 0  # lifted: the pool may grow to its whole size again
+    assert "limit lifted" in capsys.readouterr().out
+    assert mem_info.read_segment(name).limit == mem_info.NO_LIMIT
+    end = time.monotonic() + 1
+    while m.limit_pages != m.num_pages and time.monotonic() < end:
+        time.sleep(0.01)
+    assert m.limit_pages == m.num_pages
 
 
 def test_errors_exit_nonzero(live, capsys: pytest.CaptureFixture[str]) -> None:

@@ -74,6 +74,9 @@ def _set(name: str, size: int, json_out: bool) -> int:
         print(json.dumps({"ok": True, **info.to_dict()}))
     else:
         note = ""
+        if size == mem_info.NO_LIMIT:
+            print(f"{name}: limit lifted")
+            return 0
         if info.used_size > size:
             note = f" (in use now: {format_size(info.used_size)}; the pool shrinks as blocks are freed)"
         print(f"{name}: limit set to {format_size(size)} ({size} B){note}")
@@ -81,6 +84,8 @@ def _set(name: str, size: int, json_out: bool) -> int:
 
 
 def cmd_limit(name: str, size_text: str, json_out: bool = False) -> int:
+    if str(size_text).strip().lower() in ("none", "unlimited", "off"):
+        return _set(name, mem_info.NO_LIMIT, json_out)
     try:
         size = parse_size(size_text)
     except ValueError as exc:
@@ -138,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("list", help="list instances and their memory")
     s.add_argument("names", nargs="*")
     s.add_argument("--json", action="store_true", dest="json_sub")
-    s = sub.add_parser("limit", help="set an absolute limit, e.g. 2G or 512M")
+    s = sub.add_parser("limit", help="set an absolute limit, e.g. 2G or 512M; 'none' lifts it")
     s.add_argument("name")
     s.add_argument("size")
     s.add_argument("--json", action="store_true", dest="json_sub")

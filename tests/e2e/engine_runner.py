@@ -122,6 +122,8 @@ def main() -> None:
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     start_s = time.monotonic() - t0
+    if spec.get("warmup"):  # the first full prefill: activation memory is held from here on
+        llm.generate(_prompts(spec), SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     if spec.get("ready_file"):
         open(spec["ready_file"], "w").close()
     sampler = Sampler(spec.get("ipc_name"))
@@ -140,8 +142,9 @@ def main() -> None:
             if phase.get("limit_bytes") is not None:
                 import subprocess
 
-                subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", "limit", spec["ipc_name"],
-                                str(int(phase["limit_bytes"]))], check=True)
+                size = "none" if phase["limit_bytes"] < 0 else str(int(phase["limit_bytes"]))
+                subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", "limit", spec["ipc_name"], size],
+                               check=True)
                 time.sleep(0.5)  # the engine's monitor applies it within one period
             if phase.get("generate"):
                 results = llm.generate(prompts, params, use_tqdm=False)
@@ -164,9 +167,12 @@ def main() -> None:
     after = sampler.read()
     backend = None
     cached_blocks = None
+    kv_planned = None
     try:
         core = llm.llm_engine.engine_core.engine_core
-        runner = core.model_executor.driver_worker.worker.model_runner
+        worker = core.model_executor.driver_worker.worker
+        kv_planned = getattr(worker, "available_kv_cache_memory_bytes", None)
+        runner = worker.model_runner
         backend = runner.attn_groups[0][0].backend.get_name()
         pool = core.scheduler.kv_cache_manager.block_pool
         pool_kind = type(pool).__name__
@@ -186,7 +192,8 @@ def main() -> None:
         "tokens": outputs[0] if outputs else None, "all_tokens": outputs, "start_s": start_s, "run_s": run_s,
         "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
-        "teacher": teacher, "limit": limit, "runner": type(runner).__module__ if backend else None,
+        "teacher": teacher, "limit": limit, "kv_planned": kv_planned,
+        "runner": type(runner).__module__ if backend else None,
     }), flush=True)
 
 
