@@ -126,7 +126,9 @@ def timeline(model: str, out_png: Path, workdir: Path) -> str:
         spec = {**base, "ipc_name": f"kvcached_timeline_{name}", "phases": phases,
                 "ready_file": str(workdir / f"{name}.ready"), "wait_file": str(go)}
         env = _env({"ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": f"kvcached_timeline_{name}"})
-        procs[name] = subprocess.Popen([sys.executable, str(RUNNER), json.dumps(spec)], env=env,
+        spec_file = workdir / f"{name}.json"
+        spec_file.write_text(json.dumps(spec))
+        procs[name] = subprocess.Popen([sys.executable, str(RUNNER), f"@{spec_file}"], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
     while not all((workdir / f"{n}.ready").exists() or p.poll() is not None for n, p in procs.items()):

@@ -4,7 +4,7 @@ The end-to-end tests start it as a subprocess (a fresh process per engine
 configuration: vLLM's plugins, kvcached's runtime and the Triton interpreter
 switch are all per-process). Usage::
 
-    python engine_runner.py '<json spec>'
+    python engine_runner.py '<json spec>'    (or @file holding it)
 
 Spec keys: ``model`` (dir), ``prompts`` (list of str) or ``prompt_token_ids``,
 ``max_tokens``, ``dtype``, ``max_num_seqs``, ``ipc_name`` (the /dev/shm segment to
@@ -108,7 +108,11 @@ def _wait_for(path: str | None, timeout: float = 600) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    arg = sys.argv[1]
+    if arg.startswith("@"):  # a spec too long for the command line
+        with open(arg[1:]) as f:
+            arg = f.read()
+    spec = json.loads(arg)
     from vllm import LLM, SamplingParams
 
     kwargs = dict(model=spec["model"], max_model_len=spec.get("max_model_len", 256),

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -27,8 +28,18 @@ def engine_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
+def spec_arg(spec: dict) -> str:
+    """The runner's argument: the JSON itself, or ``@file`` when it is too long for one argument (128 KiB)."""
+    text = json.dumps(spec)
+    if len(text) < 64_000:
+        return text
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvcached_spec_", delete=False) as f:
+        f.write(text)
+    return "@" + f.name
+
+
 def start_engine(spec: dict, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(RUNNER), json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, str(RUNNER), spec_arg(spec)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
