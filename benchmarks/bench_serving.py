@@ -76,8 +76,7 @@ def child(spec: dict) -> None:
     t0 = time.monotonic()
     llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               max_model_len=spec["input_len"] + spec["output_len"] + 16, max_num_seqs=spec["max_num_seqs"],
-              async_scheduling=True, gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.9),
-              **spec["engine"])
+              async_scheduling=True, **spec["engine"])
     start_s = time.monotonic() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True, detokenize=False)
     llm.generate(prompts[:32], params, use_tqdm=False)
@@ -188,7 +187,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from _bench_common import Table, environment, gpu_slug
+    from _bench_common import environment, gpu_slug
 
     device = torch.device("cuda")
     env = environment(device)
@@ -206,7 +205,19 @@ def main() -> None:
         r = run_config(str(model), args, env_extra, engine)
         rows[name] = r
         print(name, {k: v for k, v in r.items() if k != "error"} or r["error"][-800:], flush=True)
-    table = Table(f"vLLM {vllm.__version__} offline throughput, Llama-3-8B shape (dummy weights), {args.prompts} "
+        write_table(rows, args, env, slug, vllm.__version__)  # a run cut short still leaves its rows
+    text = write_table(rows, args, env, slug, vllm.__version__)
+    if not args.no_timeline:
+        text += "\n### Two engines, one GPU, bursty trace\n\n" + timeline(str(model), RESULTS /
+                                                                      f"serving_timeline_{slug}.png", work) + "\n"
+        (RESULTS / f"serving_{slug}.md").write_text(text)
+    print(text)
+
+
+def write_table(rows: dict, args: argparse.Namespace, env: dict, slug: str, version: str) -> str:
+    sys.path.insert(0, str(HERE))
+    from _bench_common import Table
+    table = Table(f"vLLM {version} offline throughput, Llama-3-8B shape (dummy weights), {args.prompts} "
                   f"prompts x {args.input_len} in + {args.output_len} out, max {args.max_num_seqs} seqs",
                   ["configuration", "backend", "output tok/s (median)", "spread (min-max)", "vs vLLM FLASH_ATTN",
                    "vs vLLM TRITON_ATTN", "engine start (s)"])
@@ -223,14 +234,11 @@ def main() -> None:
     table.notes += [
         "goals: kvcached's overhead <= 1 % output tok/s against plain vLLM (same backend); the KVCACHED backend "
         ">= TRITON_ATTN and >= 0.95x FLASH_ATTN",
-        "every engine: CUDA graphs (vLLM's default mode), async scheduling, gpu_memory_utilization 0.9 (vLLM's "
-        "default, so kvcached engines run uncapped: their memory follows the load)",
+        "every engine: CUDA graphs (vLLM's default mode), async scheduling, vLLM's default gpu_memory_utilization "
+        "(so kvcached engines run uncapped: their memory follows the load)",
     ]
     header = "\n".join(f"- {k}: {v}" for k, v in env.items())
     text = f"# Serving throughput ({slug})\n\n{header}\n\n{table.markdown()}"
-    if not args.no_timeline:
-        text += "\n### Two engines, one GPU, bursty trace\n\n" + timeline(str(model), RESULTS /
-                                                                      f"serving_timeline_{slug}.png", work) + "\n"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"serving_{slug}.md").write_text(text)
     try:
@@ -244,12 +252,15 @@ def main() -> None:
         ax.barh(names, [med[n] for n in names], xerr=[[med[n] - min(rows[n]["rates"]) for n in names],
                                                       [max(rows[n]["rates"]) - med[n] for n in names]])
         ax.set_xlabel("output tokens / s (median of runs, min-max bars)")
-        ax.set_title(f"vLLM {vllm.__version__}, Llama-3-8B shape, {env['gpu'].split(' (')[0]}")
+        ax.set_title(f"vLLM {version}, Llama-3-8B shape, {env['gpu'].split(' (')[0]}")
         fig.tight_layout()
         fig.savefig(RESULTS / f"serving_{slug}.png", dpi=110)
+        plt.close(fig)
     except Exception as exc:
         print("plot failed:", exc)
-    print(text)
+    return text
+
+
 
 
 if __name__ == "__main__":

@@ -37,12 +37,12 @@ if has tests || has quick; then
 fi
 if has vllm; then
   log "gpu vLLM tests"
-  timeout 560 python3 -m pytest -q -s tests/gpu/test_vllm_gpu.py tests/gpu/test_async_unmap_gpu.py \
+  timeout "${VLLM_TESTS_TIMEOUT:-560}" python3 -m pytest -q -s tests/gpu/test_vllm_gpu.py tests/gpu/test_async_unmap_gpu.py \
     -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_vllm_tests.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
 fi
 if has serving; then
   log "bench_serving"
-  timeout 560 python3 benchmarks/bench_serving.py ${SERVING_ARGS:-} 2>&1 | tee "$OUT/bench_serving.log" | tail -30
+  timeout "${SERVING_TIMEOUT:-560}" python3 benchmarks/bench_serving.py ${SERVING_ARGS:-} 2>&1 | tee "$OUT/bench_serving.log" | tail -30
 fi
 if has vmm; then
   log "bench_vmm"

@@ -3,14 +3,17 @@
 An engine that schedules ahead (vLLM's async scheduling) or replays CUDA graphs frees
 a request's blocks while kernels it already launched still read them. If kvcached
 gave the blocks back at once, a page left empty would be unmapped under those kernels
-(a read of the zero page, or an illegal address between unmap and remap). So a free
-records an event on the device's current stream, the stream the engine launches on,
-and the blocks go back to the pool only when the event has completed: polled with
-``Event.query`` on the next pool call, never a device-wide sync on the hot path.
+(measured on an H200: an illegal address, see tests/gpu/test_async_unmap_gpu.py). So a
+free records an event on the device's current stream, the stream the engine launches
+on, and the blocks go back to the pool once the event has completed: a waiter thread
+sleeps on the event (a blocking-sync event, so it does not spin) and releases them, and
+the pool's own calls release whatever has completed. No device-wide sync on the hot path,
+and an engine that goes idle still gives its memory back.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -20,19 +23,22 @@ import torch
 
 def record_event(device: torch.device) -> Any:
     """An event after the work launched so far on ``device``'s current stream (CUDA and ROCm alike)."""
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record(torch.cuda.current_stream(device))
     return event
 
 
 class DeferredFree:
-    """A queue of (event, block ids); :meth:`drain` releases those whose event completed."""
+    """A queue of (event, block ids), released in order as their events complete."""
 
     def __init__(self, device: torch.device, release: Callable[[list[int]], None]) -> None:
         self.device = device
         self._release = release
         self._queue: deque[tuple[Any, list[int]]] = deque()
         self._pending: set[int] = set()
+        self._cv = threading.Condition()
+        self._waiter: threading.Thread | None = None
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -44,23 +50,46 @@ class DeferredFree:
         """Hold ``ids`` until the work launched so far on the current stream has run."""
         if not ids:
             return
-        self._queue.append((record_event(self.device), ids))
-        self._pending.update(ids)
+        with self._cv:
+            self._queue.append((record_event(self.device), ids))
+            self._pending.update(ids)
+            if self._waiter is None and not self._closed:
+                self._waiter = threading.Thread(target=self._wait_loop, name="kvcached-deferred-free", daemon=True)
+                self._waiter.start()
+            self._cv.notify()
 
     def drain(self) -> int:
         """Release every batch whose event completed (in order); returns how many blocks went back."""
         done = 0
-        while self._queue and self._queue[0][0].query():
-            _, ids = self._queue.popleft()
-            self._pending.difference_update(ids)
-            self._release(ids)
-            done += len(ids)
+        with self._cv:
+            while self._queue and self._queue[0][0].query():
+                _, ids = self._queue.popleft()
+                self._pending.difference_update(ids)
+                self._release(ids)
+                done += len(ids)
         return done
 
+    def _wait_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                event = self._queue[0][0]
+            try:
+                event.synchronize()  # without the lock: the engine keeps freeing meanwhile
+                self.drain()
+            except Exception:  # a broken device context: the pool's next call or flush reports it
+                return
+
     def flush(self) -> None:
-        """Wait for every recorded event, then release everything (shutdown, not the hot path)."""
-        while self._queue:
-            event, ids = self._queue.popleft()
-            event.synchronize()
-            self._pending.difference_update(ids)
-            self._release(ids)
+        """Wait for every recorded event, release everything and stop the waiter (shutdown, not the hot path)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            while self._queue:
+                event, ids = self._queue.popleft()
+                event.synchronize()
+                self._pending.difference_update(ids)
+                self._release(ids)

@@ -6,6 +6,9 @@ on the host backend; tests/gpu/test_async_unmap_gpu.py shows the hazard on a rea
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from kvcached import deferred_free, vmm_ops
@@ -13,16 +16,27 @@ from kvcached.kv_cache_manager import KVCacheManager
 
 
 class FakeEvent:
+    """Completes when the test says so; ``synchronize`` blocks until then, as a device event does."""
+
     def __init__(self) -> None:
-        self.done = False
+        self.flag = threading.Event()
         self.waited = False
 
+    @property
+    def done(self) -> bool:
+        return self.flag.is_set()
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        if value:
+            self.flag.set()
+
     def query(self) -> bool:
-        return self.done
+        return self.flag.is_set()
 
     def synchronize(self) -> None:
         self.waited = True
-        self.done = True
+        self.flag.wait()
 
 
 @pytest.fixture
@@ -38,7 +52,7 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[FakeEvent]:
 
 
 @pytest.fixture
-def manager(monkeypatch: pytest.MonkeyPatch):
+def manager(monkeypatch: pytest.MonkeyPatch, events: list[FakeEvent]):
     monkeypatch.setenv("KVCACHED_PAGE_PREALLOC_ENABLED", "false")
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
     monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
@@ -48,8 +62,17 @@ def manager(monkeypatch: pytest.MonkeyPatch):
     vmm_ops.create_kv_tensors(4 * (2 << 20), 1, "cpu", num_layers=1)
     mgr = KVCacheManager(num_blocks=64, block_size=16, cell_size=4096, num_layers=1, deferred_free=True)
     yield mgr
+    for e in events:  # the "device" finishes everything, so close() does not wait forever
+        e.done = True
     mgr.close()
     vmm_ops.shutdown_kvcached()
+
+
+def _until(cond, timeout: float = 2.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
 
 
 def test_freed_blocks_wait_for_their_event(manager: KVCacheManager, events: list[FakeEvent]) -> None:
@@ -60,11 +83,20 @@ def test_freed_blocks_wait_for_their_event(manager: KVCacheManager, events: list
     assert manager.num_allocated_blocks() == 32
     # the device may still read them: the page stays mapped, however often the pool is asked
     assert manager.available_size() == 32
+    time.sleep(0.05)
     assert manager.get_mapped_memory_size() == 2 * (2 << 20)
     events[0].done = True
     assert manager.available_size() == 64
     assert manager.pending_free_blocks == 0
     assert manager.get_mapped_memory_size() == 0
+
+
+def test_an_idle_pool_gives_memory_back_once_the_device_is_done(manager: KVCacheManager,
+                                                                 events: list[FakeEvent]) -> None:
+    manager.free(manager.alloc(32))
+    events[0].done = True  # no further pool call: the waiter thread releases them
+    assert _until(lambda: manager.pending_free_blocks == 0)
+    assert _until(lambda: manager.get_mapped_memory_size() == 0)
 
 
 def test_batches_release_in_order_and_alloc_drains(manager: KVCacheManager, events: list[FakeEvent]) -> None:
@@ -90,8 +122,10 @@ def test_double_free_of_a_pending_block_is_refused(manager: KVCacheManager, even
 
 def test_close_waits_for_the_device(manager: KVCacheManager, events: list[FakeEvent]) -> None:
     manager.free(manager.alloc(4))
+    threading.Timer(0.2, events[0].flag.set).start()
+    t0 = time.monotonic()
     manager.close()
-    assert events[0].waited
+    assert events[0].waited and time.monotonic() - t0 >= 0.15
 
 
 def test_host_backend_frees_at_once_by_default(monkeypatch: pytest.MonkeyPatch, events: list[FakeEvent]) -> None:
