@@ -70,18 +70,22 @@ def child(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    rng = random.Random(0)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 120000) for _ in range(spec["input_len"])])
-               for _ in range(spec["prompts"])]
+    def prompt_set(seed: int, n: int) -> list:
+        # fresh prompts for every run: no run may hit the prefix cache of an earlier one
+        rng = random.Random(seed)
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 120000) for _ in range(spec["input_len"])])
+                for _ in range(n)]
+
     t0 = time.monotonic()
     llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               max_model_len=spec["input_len"] + spec["output_len"] + 16, max_num_seqs=spec["max_num_seqs"],
               async_scheduling=True, **spec["engine"])
     start_s = time.monotonic() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True, detokenize=False)
-    llm.generate(prompts[:32], params, use_tqdm=False)
+    llm.generate(prompt_set(0, 32), params, use_tqdm=False)
     rates = []
-    for _ in range(spec["runs"]):
+    for run in range(spec["runs"]):
+        prompts = prompt_set(run + 1, spec["prompts"])
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t1
@@ -217,8 +221,8 @@ def main() -> None:
 def write_table(rows: dict, args: argparse.Namespace, env: dict, slug: str, version: str) -> str:
     sys.path.insert(0, str(HERE))
     from _bench_common import Table
-    table = Table(f"vLLM {version} offline throughput, Llama-3-8B shape (dummy weights), {args.prompts} "
-                  f"prompts x {args.input_len} in + {args.output_len} out, max {args.max_num_seqs} seqs",
+    table = Table(f"vLLM {version} offline throughput, Llama-3-8B shape (dummy weights), {args.prompts} fresh "
+                  f"random prompts per run x {args.input_len} in + {args.output_len} out, max {args.max_num_seqs} seqs",
                   ["configuration", "backend", "output tok/s (median)", "spread (min-max)", "vs vLLM FLASH_ATTN",
                    "vs vLLM TRITON_ATTN", "engine start (s)"])
     med = {n: statistics.median(r["rates"]) for n, r in rows.items() if "rates" in r}
