@@ -23,8 +23,9 @@ setup() {
     fi
     "$PY" -m pip install -q "triton>=3.6" pybind11 einops numpy pytest hypothesis ruff setuptools wheel matplotlib
   fi
-  if ! "$PY" -c "import kvcached._vmm" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
-    "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+  if ! "$PY" -c "import kvcached._vmm, kvcached._vmm_bench" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
+    # KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench (driver-call timers; tests and bench_vmm.py use it)
+    KVCACHED_BUILD_BENCH=1 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
     touch .venv/.kvcached-built
   fi
 }
