@@ -20,14 +20,16 @@ import fcntl
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvcached import config
 from kvcached.errors import KVCachedStateError
-from kvcached.utils import SHM_DIR, SHM_PREFIX, get_default_ipc_name, get_kvcached_logger
+from kvcached.log import get_kvcached_logger
 
 logger = get_kvcached_logger()
 
@@ -44,6 +46,11 @@ _BODY_OFF = _HEADER.size
 _LIMIT_OFF = _BODY_OFF
 _LIMIT_NS_OFF = _BODY_OFF + 7 * 8
 NO_LIMIT = -1
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvcached_"
+
+_ipc_name_cache: str | None = None
 
 
 @dataclass
@@ -194,6 +201,58 @@ def list_segments() -> list[str]:
             continue
         names.append(entry)
     return names
+
+
+# -- segment names (kvcached.utils re-exports them) ---------------------
+def sanitize_ipc_name(name: str) -> str:
+    """Keep a /dev/shm name to ``[A-Za-z0-9_-]`` and 100 characters."""
+    clean = "".join(ch if ch.isalnum() or ch in "_-" else "-" for ch in name)
+    return clean[:100]
+
+
+def _engine_tag() -> str:
+    # Only engines actually loaded in this process count: an installed but
+    # unused vLLM must not rename the demo's segment.
+    if "vllm" in sys.modules:
+        return "vLLM"
+    if "sglang" in sys.modules:
+        return "SGLang"
+    return "proc"
+
+
+def _segment_owned_by_other_live_process(name: str) -> bool:
+    try:
+        info = read_segment(name)
+    except (FileNotFoundError, ValueError):
+        return False
+    return info.pid != os.getpid() and pid_alive(info.pid)
+
+
+def get_default_ipc_name() -> str:
+    """``KVCACHED_IPC_NAME`` when set, else ``kvcached_<engine>_<pgid>`` (suffixed if taken).
+
+    Two engines started from one script share a process group, so a name held
+    by another live process gets ``_1``, ``_2``... The choice is made once per
+    process so the segment keeps its name for the process's life.
+    """
+    global _ipc_name_cache
+    explicit = config.ipc_name_override()
+    if explicit:
+        return sanitize_ipc_name(explicit)
+    if _ipc_name_cache is not None:
+        return _ipc_name_cache
+    try:
+        group = os.getpgid(0)
+    except OSError:
+        group = os.getpid()
+    base = f"{SHM_PREFIX}{_engine_tag()}_{group}"
+    name = base
+    for i in range(1, 1000):
+        if not _segment_owned_by_other_live_process(name):
+            break
+        name = f"{base}_{i}"
+    _ipc_name_cache = name
+    return name
 
 
 # -- the engine side -------------------------------------------------------
