@@ -286,17 +286,13 @@ class Publisher:
         used = prealloc = capacity = total = 0
         layout = device = ""
         for m in list(self.managers):
-            alloc = m._allocator
-            if alloc is None:
+            u = m.usage()  # no driver call from this thread (the device total was read at start)
+            if u is None:
                 continue
-            in_use = int(alloc.num_in_use)
-            reserved = int(alloc.num_reserved)
-            used += in_use * m.page_group_bytes
-            prealloc += reserved * m.page_group_bytes
-            capacity += m.num_pages * m.page_group_bytes
-            rt = m._runtime
-            total = m.device_total  # read once at start: no driver call from this thread
-            layout, device = rt.layout.value, rt.device
+            used += u.used
+            prealloc += u.prealloc
+            capacity += u.capacity
+            total, layout, device = u.device_total, u.layout, u.device
         return used, prealloc, capacity, total, layout, device
 
     def publish(self, w: _Writer | None = None) -> None:
@@ -310,16 +306,16 @@ class Publisher:
 
     def apply_limit(self, limit: int) -> None:
         """Split ``limit`` bytes over this process's pools by their capacity; NO_LIMIT lifts the cap."""
-        managers = [m for m in list(self.managers) if m._allocator is not None]
-        capacity = sum(m.num_pages * m.page_group_bytes for m in managers)
-        for m in managers:
+        pools = [(m, u) for m in list(self.managers) if (u := m.usage()) is not None]
+        capacity = sum(u.capacity for _, u in pools)
+        for m, u in pools:
             if limit < 0:
-                m._set_limit("ipc", None)
+                m.set_limit("ipc", None)
                 continue
-            share = limit * (m.num_pages * m.page_group_bytes) // max(capacity, 1)
+            share = limit * u.capacity // max(capacity, 1)
             pages = share // m.page_group_bytes
             # the allocator unmaps its reserve above the cap now, and in-use pages as they are freed
-            m._set_limit("ipc", pages)
+            m.set_limit("ipc", pages)
         self._applied = limit
 
     def tick(self) -> None:
