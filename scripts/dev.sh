@@ -40,7 +40,7 @@ case "$job" in
     exec "$PY" -m kvcached.demo "$@" ;;
   test)
     setup
-    "$PY" -m ruff check kvcached tests benchmarks
+    "$PY" -m ruff check kvcached tests benchmarks tools
     "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90
     exec "$PY" -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
