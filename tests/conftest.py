@@ -17,7 +17,8 @@ if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Host-backend processes on one /dev/shm segment share one physical budget (like
-# one GPU); a test session gets its own, so concurrent or earlier runs never meet.
+# one GPU); a test session gets its own, so concurrent or earlier runs never meet
+# (and each test gets its own too: own_host_budget below).
 _HOST_SHM = f"kvcached_pytest_{os.getpid()}"
 if os.environ.get("KVCACHED_HOST_SHM_NAME") == f"kvcached_pytest_{os.getppid()}":
     os.environ["KVCACHED_HOST_SHM_NAME"] = _HOST_SHM  # a pytest-xdist worker: its own, not its controller's
@@ -57,12 +58,20 @@ def device() -> str:
     return "cuda" if HAS_GPU else "cpu"
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def own_host_budget(monkeypatch: pytest.MonkeyPatch):
-    """A /dev/shm budget segment of the test's own, for tests that set host budgets."""
-    from kvcached import _vmm
+    """A /dev/shm budget segment of the test's own.
 
+    Every test gets one: a budget limit that a test sets (KVCACHED_HOST_MEM_LIMIT_MB) stays
+    on its segment, and so do pages its not-yet-collected objects still hold. On one
+    session-wide segment those reached later tests, which then passed or failed by test order
+    (pytest-xdist reorders tests).
+    """
     name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("KVCACHED_HOST_SHM_NAME", name)
     yield name
+    try:
+        from kvcached import _vmm
+    except ImportError:  # not built: nothing can have made the segment
+        return
     _vmm.unlink_host_shm(name)
