@@ -26,7 +26,9 @@ fi
 log "build + install"
 # FACTS.md: the image's default g++ breaks ABI with torch; the system one works. Editable install: the
 # entry point (vllm.general_plugins) is registered, the code stays this checkout.
-CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . \
+# KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench, the driver-call timers bench_vmm.py needs.
+CC=/usr/bin/gcc CXX=/usr/bin/g++ KVCACHED_BUILD_BENCH=1 python3 -m pip install -q --no-build-isolation --no-deps \
+  --no-index -e . \
   >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 python3 -c "from importlib.metadata import entry_points as e; print('plugin', [x.value for x in e(group='vllm.general_plugins')])" | tee -a "$OUT/session.log"
 

@@ -8,33 +8,6 @@ void log_warning(const std::string& msg) noexcept {
   std::fprintf(stderr, "[kvcached._vmm] warning: %s\n", msg.c_str());
 }
 
-void Backend::set_host_limit(size_t) {
-  throw_value("set_host_limit only applies to the host backend, not '" + kind + "'.");
-}
-
-void Backend::check_aligned(const char* what, size_t value) const {
-  if (value == 0 || value % granularity) {
-    throw_value(std::string(what) + " = " + std::to_string(value) + " B is not a positive multiple of the " +
-                kind + " mapping granularity (" + std::to_string(granularity) + " B); round it up.");
-  }
-}
-
-void Backend::unmap_units(uintptr_t ptr, size_t size, size_t unit) {
-  if (size <= unit || range_unmap_.load() < 0) {
-    for (size_t off = 0; off < size; off += unit) unmap(ptr + off, unit);
-    return;
-  }
-  try {
-    unmap(ptr, size);
-    range_unmap_.store(1);
-    return;
-  } catch (const Error& e) {
-    if (e.kind != ErrKind::Driver || range_unmap_.load() > 0) throw;
-    range_unmap_.store(-1);  // this driver wants one call per mapping; remember it
-  }
-  for (size_t off = 0; off < size; off += unit) unmap(ptr + off, unit);
-}
-
 void Backend::unmap_mappings(uintptr_t ptr, const std::vector<size_t>& sizes, size_t* done) {
   size_t total = 0, n = 0;
   for (size_t s : sizes) total += s;

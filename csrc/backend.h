@@ -50,7 +50,9 @@ class Backend {
   virtual bool creates_zeroed() const { return false; }
 
   virtual std::pair<size_t, size_t> mem_info() = 0;
-  virtual void set_host_limit(size_t bytes);
+  virtual void set_host_limit(size_t) {
+    throw_value("set_host_limit only applies to the host backend, not '" + kind + "'.");
+  }
   // Host: the /dev/shm segment holding the budget shared between processes; others: "".
   virtual std::string shm_name() const { return ""; }
   virtual std::pair<int, int> dlpack_device() const = 0;
@@ -60,14 +62,35 @@ class Backend {
 
   // Unmaps [ptr, ptr+size) made of mappings of `unit` bytes each: one call when the
   // driver accepts a range spanning several mappings, else one call per unit.
-  void unmap_units(uintptr_t ptr, size_t size, size_t unit);
+  // (Inline, like check_aligned and every virtual: the benchmark module kvcached._vmm_bench
+  // calls them and needs Backend's type info, which a non-inline virtual would keep in backend.cpp.)
+  void unmap_units(uintptr_t ptr, size_t size, size_t unit) {
+    if (size <= unit || range_unmap_.load() < 0) {
+      for (size_t off = 0; off < size; off += unit) unmap(ptr + off, unit);
+      return;
+    }
+    try {
+      unmap(ptr, size);
+      range_unmap_.store(1);
+      return;
+    } catch (const Error& e) {
+      if (e.kind != ErrKind::Driver || range_unmap_.load() > 0) throw;
+      range_unmap_.store(-1);  // this driver wants one call per mapping; remember it
+    }
+    for (size_t off = 0; off < size; off += unit) unmap(ptr + off, unit);
+  }
   // The same for adjacent mappings of any sizes starting at ptr; *done counts the
   // mappings gone (all of them on success).
   void unmap_mappings(uintptr_t ptr, const std::vector<size_t>& sizes, size_t* done = nullptr);
 
   std::shared_ptr<ZeroPage> zero_page(size_t size);
 
-  void check_aligned(const char* what, size_t value) const;
+  void check_aligned(const char* what, size_t value) const {
+    if (value == 0 || value % granularity) {
+      throw_value(std::string(what) + " = " + std::to_string(value) + " B is not a positive multiple of the " +
+                  kind + " mapping granularity (" + std::to_string(granularity) + " B); round it up.");
+    }
+  }
 
  protected:
   void probe_map_offset() noexcept;

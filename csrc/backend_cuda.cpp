@@ -1,10 +1,9 @@
 // CUDA backend: the driver API opened at run time (no SDK needed to build), types
-// declared here with the layout of cuda.h (CUDA 11.2+, unchanged through 13).
+// declared here and in backend_driver.h with the layout of cuda.h (CUDA 11.2+, unchanged through 13).
+// The Backend methods are backend_driver.h's, shared with HIP.
 #include <dlfcn.h>
 
-#include <cstring>
-
-#include "backend.h"
+#include "backend_driver.h"
 
 namespace kvc {
 namespace {
@@ -15,30 +14,9 @@ using CUcontext = struct CUctx_st*;
 using CUdeviceptr = unsigned long long;
 using CUhandle = unsigned long long;
 
-struct CUmemLocation {
-  int type;  // CU_MEM_LOCATION_TYPE_DEVICE = 1
-  int id;
-};
-struct CUmemAllocationProp {
-  int type;                  // CU_MEM_ALLOCATION_TYPE_PINNED = 1, @0
-  int requestedHandleTypes;  // @4
-  CUmemLocation location;    // @8
-  void* win32HandleMetaData;  // @16
-  struct {
-    unsigned char compressionType;
-    unsigned char gpuDirectRDMACapable;
-    unsigned short usage;
-    unsigned char reserved[4];
-  } allocFlags;  // @24
-};
-static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
-struct CUmemAccessDesc {
-  CUmemLocation location;
-  int flags;  // CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-};
+using CUmemAllocationProp = MemAllocationProp;
+using CUmemAccessDesc = MemAccessDesc;
 
-constexpr int kErrOutOfMemory = 2;
-constexpr int kErrNoDevice = 100;
 constexpr int kAttrVmmSupported = 102;  // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
 
 struct CudaApi {
@@ -83,11 +61,27 @@ void* lookup(void* lib, GetProcV2 gpa, const char* versioned, const char* base) 
   return p;
 }
 
-class CudaBackend final : public Backend {
+class CudaDriver {
  public:
-  explicit CudaBackend(int dev) {
-    kind = "cuda";
-    device = dev;
+  static constexpr const char* kKind = "cuda";
+  static constexpr int kOutOfMemory = 2;
+  static constexpr int kNoDevice = 100;
+  static constexpr const char* kNoDeviceHint = ": no usable CUDA device; use backend 'host'";
+  static constexpr int kQuietError = 4;  // CUDA_ERROR_DEINITIALIZED: process exit
+  static constexpr int kDlpackDevice = 2;
+  static constexpr const char* kGranularity = "cuMemGetAllocationGranularity";
+  static constexpr const char* kReserve = "cuMemAddressReserve";
+  static constexpr const char* kFreeVa = "cuMemAddressFree";
+  static constexpr const char* kCreate = "cuMemCreate";
+  static constexpr const char* kRelease = "cuMemRelease";
+  static constexpr const char* kMap = "cuMemMap";
+  static constexpr const char* kUnmap = "cuMemUnmap";
+  static constexpr const char* kSetAccess = "cuMemSetAccess";
+  static constexpr const char* kMemset = "cuMemsetD8";
+  static constexpr const char* kSynchronize = "cuCtxSynchronize";
+  static constexpr const char* kMemGetInfo = "cuMemGetInfo";
+
+  explicit CudaDriver(int dev) {
     lib_ = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!lib_) {
       const char* e = dlerror();
@@ -121,135 +115,76 @@ class CudaBackend final : public Backend {
     KVC_SYM(cuMemsetD8, "cuMemsetD8_v2", "cuMemsetD8");
     KVC_SYM(cuGetErrorName, "cuGetErrorName", "cuGetErrorName");
 #undef KVC_SYM
-    check(api_.cuInit(0), "cuInit");
+    driver_check(*this, api_.cuInit(0), "cuInit");
     int count = 0;
-    check(api_.cuDeviceGetCount(&count), "cuDeviceGetCount");
+    driver_check(*this, api_.cuDeviceGetCount(&count), "cuDeviceGetCount");
     if (count == 0) throw Error(ErrKind::NoDevice, "cuDeviceGetCount found no CUDA device; use backend 'host'.");
     if (dev >= count) {
       throw Error(ErrKind::NoDevice, "CUDA device " + std::to_string(dev) + " does not exist (this machine has " +
                                          std::to_string(count) + "); pick cuda:0..cuda:" + std::to_string(count - 1) +
                                          ".");
     }
-    check(api_.cuDeviceGet(&cudev_, dev), "cuDeviceGet");
+    driver_check(*this, api_.cuDeviceGet(&cudev_, dev), "cuDeviceGet");
     int vmm = 0;
-    check(api_.cuDeviceGetAttribute(&vmm, kAttrVmmSupported, cudev_), "cuDeviceGetAttribute");
+    driver_check(*this, api_.cuDeviceGetAttribute(&vmm, kAttrVmmSupported, cudev_), "cuDeviceGetAttribute");
     if (!vmm) throw Error(ErrKind::NoDevice, "CUDA device " + std::to_string(dev) + " does not support virtual memory management.");
-    check(api_.cuDevicePrimaryCtxRetain(&ctx_, cudev_), "cuDevicePrimaryCtxRetain");
+    driver_check(*this, api_.cuDevicePrimaryCtxRetain(&ctx_, cudev_), "cuDevicePrimaryCtxRetain");
     retained_ = true;
-    std::memset(&prop_, 0, sizeof(prop_));
-    prop_.type = 1;
-    prop_.location = {1, dev};
-    access_.location = {1, dev};
-    access_.flags = 3;
-    Ctx g(this);
-    check(api_.cuMemGetAllocationGranularity(&granularity, &prop_, 0), "cuMemGetAllocationGranularity");
-    probe_map_offset();
+    prop_ = pinned_on_device(dev);
+    access_ = read_write_on_device(dev);
   }
 
-  ~CudaBackend() override {
+  ~CudaDriver() {
     if (retained_) api_.cuDevicePrimaryCtxRelease(cudev_);  // errors at exit are harmless
   }
 
-  uintptr_t reserve(size_t size) override {
-    check_aligned("reserve size", size);
-    Ctx g(this);
-    CUdeviceptr p = 0;
-    check(api_.cuMemAddressReserve(&p, size, granularity, 0, 0), "cuMemAddressReserve");
-    return static_cast<uintptr_t>(p);
-  }
-  void free_va(uintptr_t ptr, size_t size) noexcept override {
-    Ctx g(this);
-    soft(api_.cuMemAddressFree(ptr, size), "cuMemAddressFree");
-  }
-  Handle create(size_t size) override {
-    check_aligned("allocation size", size);
-    Ctx g(this);
-    CUhandle h = 0;
-    check(api_.cuMemCreate(&h, size, &prop_, 0), "cuMemCreate");
-    physical_.fetch_add(size);
-    sizes_lock_.lock();
-    sizes_[h] = size;
-    sizes_lock_.unlock();
-    return h;
-  }
-  void release(Handle h) noexcept override {
-    Ctx g(this);
-    soft(api_.cuMemRelease(h), "cuMemRelease");
-    std::lock_guard<std::mutex> lk(sizes_lock_);
-    auto it = sizes_.find(h);
-    if (it != sizes_.end()) {
-      physical_.fetch_sub(it->second);
-      sizes_.erase(it);
-    }
-  }
-  void map(uintptr_t ptr, size_t size, Handle h, size_t offset) override {
-    Ctx g(this);
-    check(api_.cuMemMap(ptr, size, offset, h, 0), "cuMemMap");
-  }
-  void unmap(uintptr_t ptr, size_t size) override {
-    Ctx g(this);
-    check(api_.cuMemUnmap(ptr, size), "cuMemUnmap");
-  }
-  void set_access(uintptr_t ptr, size_t size) override {
-    Ctx g(this);
-    check(api_.cuMemSetAccess(ptr, size, &access_, 1), "cuMemSetAccess");
-  }
-  void memset_zero(uintptr_t ptr, size_t size) override {
-    Ctx g(this);
-    check(api_.cuMemsetD8(ptr, 0, size), "cuMemsetD8");
-    check(api_.cuCtxSynchronize(), "cuCtxSynchronize");
-  }
-  std::pair<size_t, size_t> mem_info() override {
-    Ctx g(this);
-    size_t f = 0, t = 0;
-    check(api_.cuMemGetInfo(&f, &t), "cuMemGetInfo");
-    return {f, t};
-  }
-  std::pair<int, int> dlpack_device() const override { return {2, device}; }
-
- private:
   // Makes our primary context current for one call; a thread with no context keeps
   // ours (the prealloc thread), a thread with another context gets it back.
-  struct Ctx {
-    CudaBackend* b;
+  struct Scope {
+    CudaDriver& d;
     CUcontext prev = nullptr;
     bool restore = false;
-    explicit Ctx(CudaBackend* be) : b(be) {
-      if (b->api_.cuCtxGetCurrent(&prev) != 0) prev = nullptr;
-      if (prev != b->ctx_) {
-        b->api_.cuCtxSetCurrent(b->ctx_);
+    explicit Scope(CudaDriver& drv) : d(drv) {
+      if (d.api_.cuCtxGetCurrent(&prev) != 0) prev = nullptr;
+      if (prev != d.ctx_) {
+        d.api_.cuCtxSetCurrent(d.ctx_);
         restore = prev != nullptr;
       }
     }
-    ~Ctx() {
-      if (restore) b->api_.cuCtxSetCurrent(prev);
+    ~Scope() {
+      if (restore) d.api_.cuCtxSetCurrent(prev);
     }
   };
 
-  std::string err_name(CUresult r) {
+  std::string error_name(CUresult r) {
     const char* name = nullptr;
     if (api_.cuGetErrorName && api_.cuGetErrorName(r, &name) == 0 && name) return name;
     return "CUDA_ERROR_UNKNOWN";
   }
-  void check(CUresult r, const char* call) {
-    if (r == 0) return;
-    std::string msg = std::string(call) + " failed: " + err_name(r) + " (" + std::to_string(r) + ")";
-    ErrKind k = ErrKind::Driver;
-    if (r == kErrOutOfMemory) {
-      k = ErrKind::OutOfMemory;
-      msg += ": the GPU has no free memory for this page; free blocks, lower the limit, or stop other processes";
-    } else if (r == kErrNoDevice) {
-      k = ErrKind::NoDevice;
-      msg += ": no usable CUDA device; use backend 'host'";
-    }
-    throw Error(k, msg);
-  }
-  void soft(CUresult r, const char* call) noexcept {
-    if (r != 0 && r != 4 /* DEINITIALIZED: process exit */) {
-      log_warning(std::string(call) + " failed: " + err_name(r) + " (" + std::to_string(r) + ")");
-    }
-  }
 
+  CUresult granularity(size_t* g) { return api_.cuMemGetAllocationGranularity(g, &prop_, 0); }
+  CUresult reserve(uintptr_t* ptr, size_t size, size_t align) {
+    CUdeviceptr p = 0;
+    CUresult r = api_.cuMemAddressReserve(&p, size, align, 0, 0);
+    *ptr = static_cast<uintptr_t>(p);
+    return r;
+  }
+  CUresult free_va(uintptr_t ptr, size_t size) { return api_.cuMemAddressFree(ptr, size); }
+  CUresult create(Handle* h, size_t size) {
+    CUhandle ch = 0;
+    CUresult r = api_.cuMemCreate(&ch, size, &prop_, 0);
+    *h = ch;
+    return r;
+  }
+  CUresult release(Handle h) { return api_.cuMemRelease(h); }
+  CUresult map(uintptr_t ptr, size_t size, size_t offset, Handle h) { return api_.cuMemMap(ptr, size, offset, h, 0); }
+  CUresult unmap(uintptr_t ptr, size_t size) { return api_.cuMemUnmap(ptr, size); }
+  CUresult set_access(uintptr_t ptr, size_t size) { return api_.cuMemSetAccess(ptr, size, &access_, 1); }
+  CUresult memset_zero(uintptr_t ptr, size_t size) { return api_.cuMemsetD8(ptr, 0, size); }
+  CUresult synchronize() { return api_.cuCtxSynchronize(); }
+  CUresult mem_info(size_t* free, size_t* total) { return api_.cuMemGetInfo(free, total); }
+
+ private:
   void* lib_ = nullptr;  // never dlclosed: other libraries may share it
   CudaApi api_{};
   CUdevice cudev_ = 0;
@@ -257,12 +192,10 @@ class CudaBackend final : public Backend {
   bool retained_ = false;
   CUmemAllocationProp prop_{};
   CUmemAccessDesc access_{};
-  std::mutex sizes_lock_;
-  std::map<CUhandle, size_t> sizes_;
 };
 
 }  // namespace
 
-std::shared_ptr<Backend> make_cuda_backend(int device) { return std::make_shared<CudaBackend>(device); }
+std::shared_ptr<Backend> make_cuda_backend(int device) { return std::make_shared<DriverBackend<CudaDriver>>(device); }
 
 }  // namespace kvc

@@ -1,10 +1,11 @@
 // HIP backend: libamdhip64 opened at run time. Types declared here: ROCm 6+ uses
 // CUDA's CUmemAllocationProp layout; ROCm 5 ordered the fields differently.
+// The Backend methods are backend_driver.h's, shared with CUDA.
 #include <dlfcn.h>
 
 #include <cstring>
 
-#include "backend.h"
+#include "backend_driver.h"
 
 namespace kvc {
 namespace {
@@ -12,22 +13,8 @@ namespace {
 using hipError = int;
 using HipHandle = void*;
 
-struct HipLocation {
-  int type;  // hipMemLocationTypeDevice = 1
-  int id;
-};
-struct HipPropV6 {
-  int type;                  // hipMemAllocationTypePinned = 1, @0
-  int requestedHandleTypes;  // @4
-  HipLocation location;      // @8
-  void* win32HandleMetaData;  // @16
-  struct {
-    unsigned char compressionType;
-    unsigned char gpuDirectRDMACapable;
-    unsigned short usage;
-  } allocFlags;  // @24
-};
-static_assert(sizeof(HipPropV6) == 32, "hipMemAllocationProp (ROCm 6+) layout");
+using HipLocation = MemLocation;
+using HipPropV6 = MemAllocationProp;  // ROCm 6+: CUDA's layout (backend_driver.h)
 struct HipPropV5 {
   unsigned char compressionType;
   HipLocation location;
@@ -36,13 +23,7 @@ struct HipPropV5 {
   unsigned short usage;
   void* win32HandleMetaData;
 };
-struct HipAccessDesc {
-  HipLocation location;
-  int flags;  // hipMemAccessFlagsProtReadWrite = 3
-};
-
-constexpr int kHipOutOfMemory = 2;
-constexpr int kHipNoDevice = 100;
+using HipAccessDesc = MemAccessDesc;
 
 struct HipApi {
   hipError (*hipInit)(unsigned);
@@ -64,11 +45,30 @@ struct HipApi {
   const char* (*hipGetErrorName)(hipError);
 };
 
-class HipBackend final : public Backend {
+void* va(uintptr_t ptr) { return reinterpret_cast<void*>(ptr); }
+HipHandle hip_handle(Handle h) { return reinterpret_cast<HipHandle>(h); }
+
+class HipDriver {
  public:
-  explicit HipBackend(int dev) {
-    kind = "hip";
-    device = dev;
+  static constexpr const char* kKind = "hip";
+  static constexpr int kOutOfMemory = 2;
+  static constexpr int kNoDevice = 100;
+  static constexpr const char* kNoDeviceHint = "";
+  static constexpr int kQuietError = 0;  // every failure is logged
+  static constexpr int kDlpackDevice = 10;
+  static constexpr const char* kGranularity = "hipMemGetAllocationGranularity";
+  static constexpr const char* kReserve = "hipMemAddressReserve";
+  static constexpr const char* kFreeVa = "hipMemAddressFree";
+  static constexpr const char* kCreate = "hipMemCreate";
+  static constexpr const char* kRelease = "hipMemRelease";
+  static constexpr const char* kMap = "hipMemMap";
+  static constexpr const char* kUnmap = "hipMemUnmap";
+  static constexpr const char* kSetAccess = "hipMemSetAccess";
+  static constexpr const char* kMemset = "hipMemset";
+  static constexpr const char* kSynchronize = "hipDeviceSynchronize";
+  static constexpr const char* kMemGetInfo = "hipMemGetInfo";
+
+  explicit HipDriver(int dev) : device_(dev) {
     const char* names[] = {"libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5"};
     std::string why;
     for (const char* n : names) {
@@ -112,131 +112,79 @@ class HipBackend final : public Backend {
     int count = 0;
     hipError r = api_.hipGetDeviceCount(&count);
     if (r != 0 || count == 0) {
-      throw Error(ErrKind::NoDevice, "no usable AMD GPU: hipInit returned " + err_name(ri) + " (" + std::to_string(ri) +
-                                         "), hipGetDeviceCount " + err_name(r) + " (" + std::to_string(r) +
-                                         ", count " + std::to_string(count) + "). The HIP runtime loaded but sees no "
-                                         "device; use backend 'host' (KVCACHED_BACKEND=host) or check /dev/kfd access.");
+      throw Error(ErrKind::NoDevice, "no usable AMD GPU: hipInit returned " + error_name(ri) + " (" +
+                                         std::to_string(ri) + "), hipGetDeviceCount " + error_name(r) + " (" +
+                                         std::to_string(r) + ", count " + std::to_string(count) +
+                                         "). The HIP runtime loaded but sees no device; use backend 'host' "
+                                         "(KVCACHED_BACKEND=host) or check /dev/kfd access.");
     }
     if (dev >= count) {
       throw Error(ErrKind::NoDevice, "HIP device " + std::to_string(dev) + " does not exist (this machine has " +
                                          std::to_string(count) + ").");
     }
-    std::memset(&p6_, 0, sizeof(p6_));
-    p6_.type = 1;
-    p6_.location = {1, dev};
+    p6_ = pinned_on_device(dev);
     std::memset(&p5_, 0, sizeof(p5_));
     p5_.type = 1;
     p5_.location = {1, dev};
-    access_.location = {1, dev};
-    access_.flags = 3;
-    Dev g(this);
-    check(api_.hipMemGetAllocationGranularity(&granularity, prop(), 0), "hipMemGetAllocationGranularity");
-    probe_map_offset();
+    access_ = read_write_on_device(dev);
   }
 
-  uintptr_t reserve(size_t size) override {
-    check_aligned("reserve size", size);
-    Dev g(this);
-    void* p = nullptr;
-    check(api_.hipMemAddressReserve(&p, size, granularity, nullptr, 0), "hipMemAddressReserve");
-    return reinterpret_cast<uintptr_t>(p);
-  }
-  void free_va(uintptr_t ptr, size_t size) noexcept override {
-    Dev g(this);
-    soft(api_.hipMemAddressFree(reinterpret_cast<void*>(ptr), size), "hipMemAddressFree");
-  }
-  Handle create(size_t size) override {
-    check_aligned("allocation size", size);
-    Dev g(this);
-    HipHandle h = nullptr;
-    check(api_.hipMemCreate(&h, size, prop(), 0), "hipMemCreate");
-    physical_.fetch_add(size);
-    std::lock_guard<std::mutex> lk(sizes_lock_);
-    sizes_[reinterpret_cast<Handle>(h)] = size;
-    return reinterpret_cast<Handle>(h);
-  }
-  void release(Handle h) noexcept override {
-    Dev g(this);
-    soft(api_.hipMemRelease(reinterpret_cast<HipHandle>(h)), "hipMemRelease");
-    std::lock_guard<std::mutex> lk(sizes_lock_);
-    auto it = sizes_.find(h);
-    if (it != sizes_.end()) {
-      physical_.fetch_sub(it->second);
-      sizes_.erase(it);
-    }
-  }
-  void map(uintptr_t ptr, size_t size, Handle h, size_t offset) override {
-    Dev g(this);
-    check(api_.hipMemMap(reinterpret_cast<void*>(ptr), size, offset, reinterpret_cast<HipHandle>(h), 0), "hipMemMap");
-  }
-  void unmap(uintptr_t ptr, size_t size) override {
-    Dev g(this);
-    check(api_.hipMemUnmap(reinterpret_cast<void*>(ptr), size), "hipMemUnmap");
-  }
-  void set_access(uintptr_t ptr, size_t size) override {
-    Dev g(this);
-    check(api_.hipMemSetAccess(reinterpret_cast<void*>(ptr), size, &access_, 1), "hipMemSetAccess");
-  }
-  void memset_zero(uintptr_t ptr, size_t size) override {
-    Dev g(this);
-    check(api_.hipMemset(reinterpret_cast<void*>(ptr), 0, size), "hipMemset");
-    check(api_.hipDeviceSynchronize(), "hipDeviceSynchronize");
-  }
-  std::pair<size_t, size_t> mem_info() override {
-    Dev g(this);
-    size_t f = 0, t = 0;
-    check(api_.hipMemGetInfo(&f, &t), "hipMemGetInfo");
-    return {f, t};
-  }
-  std::pair<int, int> dlpack_device() const override { return {10, device}; }
-
- private:
   // hipSetDevice for one call; the previous device is restored for the caller's code.
-  struct Dev {
-    HipBackend* b;
+  struct Scope {
+    HipDriver& d;
     int prev = -1;
-    explicit Dev(HipBackend* be) : b(be) {
-      if (b->api_.hipGetDevice(&prev) != 0) prev = -1;
-      if (prev != b->device) b->api_.hipSetDevice(b->device);
+    explicit Scope(HipDriver& drv) : d(drv) {
+      if (d.api_.hipGetDevice(&prev) != 0) prev = -1;
+      if (prev != d.device_) d.api_.hipSetDevice(d.device_);
     }
-    ~Dev() {
-      if (prev >= 0 && prev != b->device) b->api_.hipSetDevice(prev);
+    ~Scope() {
+      if (prev >= 0 && prev != d.device_) d.api_.hipSetDevice(prev);
     }
   };
 
-  const void* prop() const { return v5_ ? static_cast<const void*>(&p5_) : static_cast<const void*>(&p6_); }
-  std::string err_name(hipError r) {
+  std::string error_name(hipError r) {
     const char* n = api_.hipGetErrorName ? api_.hipGetErrorName(r) : nullptr;
     return n ? n : "hipErrorUnknown";
   }
-  void check(hipError r, const char* call) {
-    if (r == 0) return;
-    std::string msg = std::string(call) + " failed: " + err_name(r) + " (" + std::to_string(r) + ")";
-    ErrKind k = ErrKind::Driver;
-    if (r == kHipOutOfMemory) {
-      k = ErrKind::OutOfMemory;
-      msg += ": the GPU has no free memory for this page; free blocks, lower the limit, or stop other processes";
-    } else if (r == kHipNoDevice) {
-      k = ErrKind::NoDevice;
-    }
-    throw Error(k, msg);
-  }
-  void soft(hipError r, const char* call) noexcept {
-    if (r != 0) log_warning(std::string(call) + " failed: " + err_name(r) + " (" + std::to_string(r) + ")");
-  }
 
+  hipError granularity(size_t* g) { return api_.hipMemGetAllocationGranularity(g, prop(), 0); }
+  hipError reserve(uintptr_t* ptr, size_t size, size_t align) {
+    void* p = nullptr;
+    hipError r = api_.hipMemAddressReserve(&p, size, align, nullptr, 0);
+    *ptr = reinterpret_cast<uintptr_t>(p);
+    return r;
+  }
+  hipError free_va(uintptr_t ptr, size_t size) { return api_.hipMemAddressFree(va(ptr), size); }
+  hipError create(Handle* h, size_t size) {
+    HipHandle hh = nullptr;
+    hipError r = api_.hipMemCreate(&hh, size, prop(), 0);
+    *h = reinterpret_cast<Handle>(hh);
+    return r;
+  }
+  hipError release(Handle h) { return api_.hipMemRelease(hip_handle(h)); }
+  hipError map(uintptr_t ptr, size_t size, size_t offset, Handle h) {
+    return api_.hipMemMap(va(ptr), size, offset, hip_handle(h), 0);
+  }
+  hipError unmap(uintptr_t ptr, size_t size) { return api_.hipMemUnmap(va(ptr), size); }
+  hipError set_access(uintptr_t ptr, size_t size) { return api_.hipMemSetAccess(va(ptr), size, &access_, 1); }
+  hipError memset_zero(uintptr_t ptr, size_t size) { return api_.hipMemset(va(ptr), 0, size); }
+  hipError synchronize() { return api_.hipDeviceSynchronize(); }
+  hipError mem_info(size_t* free, size_t* total) { return api_.hipMemGetInfo(free, total); }
+
+ private:
+  const void* prop() const { return v5_ ? static_cast<const void*>(&p5_) : static_cast<const void*>(&p6_); }
+
+  int device_;
   void* lib_ = nullptr;
   HipApi api_{};
   bool v5_ = false;
   HipPropV6 p6_{};
   HipPropV5 p5_{};
   HipAccessDesc access_{};
-  std::mutex sizes_lock_;
-  std::map<Handle, size_t> sizes_;
 };
 
 }  // namespace
 
-std::shared_ptr<Backend> make_hip_backend(int device) { return std::make_shared<HipBackend>(device); }
+std::shared_ptr<Backend> make_hip_backend(int device) { return std::make_shared<DriverBackend<HipDriver>>(device); }
 
 }  // namespace kvc

@@ -15,8 +15,6 @@ namespace kvc {
 size_t host_resident_bytes(Backend& b);
 void stop_all_prealloc_threads() noexcept;
 void bind_allocators(pybind11::module_& m);
-std::map<std::string, std::vector<double>> bench_driver_calls(Backend& b, int64_t num_pages, size_t page_bytes);
-std::map<std::string, std::vector<double>> bench_breakdown(Backend& b, int64_t num_units, size_t unit);
 }  // namespace kvc
 
 namespace {
@@ -174,20 +172,6 @@ PYBIND11_MODULE(_vmm, m) {
       .def("__dlpack_device__", [](const VirtualTensor& vt) { return vt.backend()->dlpack_device(); });
 
   bind_allocators(m);
-
-  m.def("bench_driver_calls", [](std::shared_ptr<Backend> b, int64_t num_pages, int64_t page_bytes) {
-    size_t pb = as_size(page_bytes, "page_bytes");
-    py::gil_scoped_release rel;
-    return bench_driver_calls(*b, num_pages, pb);
-  }, py::arg("backend"), py::arg("num_pages"), py::arg("page_bytes"),
-        "Per-call microseconds of reserve, create, map, set_access, unmap, release (and batched variants).");
-
-  m.def("bench_breakdown", [](std::shared_ptr<Backend> b, int64_t num_units, int64_t unit) {
-    size_t u = as_size(unit, "unit");
-    py::gil_scoped_release rel;
-    return bench_breakdown(*b, num_units, u);
-  }, py::arg("backend"), py::arg("num_units"), py::arg("unit"),
-        "Microseconds of zero-page mapping experiments (same vs distinct handles, chunk sizes, threads...).");
 
   m.def("host_shm_default_name", &HostBudget::default_name, py::arg("device") = 0,
         "The host budget segment a Backend('host', device) opens: KVCACHED_HOST_SHM_NAME or kvcached_host_<uid>_<device>.");

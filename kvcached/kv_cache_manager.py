@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -384,3 +385,36 @@ class KVCacheManager:
         if got is None:
             self._raise_exhausted(need_size)
         return got  # type: ignore[return-value]
+
+    # -- what kvcached.mem_info publishes and sets --------------------------
+    def usage(self) -> PoolUsage | None:
+        """This pool's memory, as its /dev/shm segment shows it; None before the KV tensors
+        exist or after :meth:`close`. No driver call: the monitor thread calls it."""
+        alloc = self._allocator
+        if alloc is None:
+            return None
+        rt = self._runtime
+        return PoolUsage(used=int(alloc.num_in_use) * self.page_group_bytes,
+                         prealloc=int(alloc.num_reserved) * self.page_group_bytes,
+                         capacity=self.num_pages * self.page_group_bytes, device_total=self.device_total,
+                         layout=rt.layout.value, device=rt.device)
+
+    def set_limit(self, source: str, pages: int | None) -> bool:
+        """Cap mapped pages for ``source`` (``"ipc"``: kvctl's limit); None lifts that source's cap.
+
+        The pool keeps the smallest cap of all sources (utilization, :meth:`resize`, kvctl),
+        never below what is in use. False once closed.
+        """
+        return self._set_limit(source, pages)
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """Bytes of one :class:`KVCacheManager`'s pool (all layers, K and V)."""
+
+    used: int  # pages holding blocks
+    prealloc: int  # pages mapped ahead (the reserve)
+    capacity: int  # every page the pool can address
+    device_total: int  # the device's memory, read when the pool was bound
+    layout: str  # "contiguous" or "per_layer"
+    device: str

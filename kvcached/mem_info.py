@@ -20,14 +20,16 @@ import fcntl
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvcached import config
 from kvcached.errors import KVCachedStateError
-from kvcached.utils import SHM_DIR, SHM_PREFIX, get_default_ipc_name, get_kvcached_logger
+from kvcached.log import get_kvcached_logger
 
 logger = get_kvcached_logger()
 
@@ -44,6 +46,11 @@ _BODY_OFF = _HEADER.size
 _LIMIT_OFF = _BODY_OFF
 _LIMIT_NS_OFF = _BODY_OFF + 7 * 8
 NO_LIMIT = -1
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvcached_"
+
+_ipc_name_cache: str | None = None
 
 
 @dataclass
@@ -196,6 +203,58 @@ def list_segments() -> list[str]:
     return names
 
 
+# -- segment names (kvcached.utils re-exports them) ---------------------
+def sanitize_ipc_name(name: str) -> str:
+    """Keep a /dev/shm name to ``[A-Za-z0-9_-]`` and 100 characters."""
+    clean = "".join(ch if ch.isalnum() or ch in "_-" else "-" for ch in name)
+    return clean[:100]
+
+
+def _engine_tag() -> str:
+    # Only engines actually loaded in this process count: an installed but
+    # unused vLLM must not rename the demo's segment.
+    if "vllm" in sys.modules:
+        return "vLLM"
+    if "sglang" in sys.modules:
+        return "SGLang"
+    return "proc"
+
+
+def _segment_owned_by_other_live_process(name: str) -> bool:
+    try:
+        info = read_segment(name)
+    except (FileNotFoundError, ValueError):
+        return False
+    return info.pid != os.getpid() and pid_alive(info.pid)
+
+
+def get_default_ipc_name() -> str:
+    """``KVCACHED_IPC_NAME`` when set, else ``kvcached_<engine>_<pgid>`` (suffixed if taken).
+
+    Two engines started from one script share a process group, so a name held
+    by another live process gets ``_1``, ``_2``... The choice is made once per
+    process so the segment keeps its name for the process's life.
+    """
+    global _ipc_name_cache
+    explicit = config.ipc_name_override()
+    if explicit:
+        return sanitize_ipc_name(explicit)
+    if _ipc_name_cache is not None:
+        return _ipc_name_cache
+    try:
+        group = os.getpgid(0)
+    except OSError:
+        group = os.getpid()
+    base = f"{SHM_PREFIX}{_engine_tag()}_{group}"
+    name = base
+    for i in range(1, 1000):
+        if not _segment_owned_by_other_live_process(name):
+            break
+        name = f"{base}_{i}"
+    _ipc_name_cache = name
+    return name
+
+
 # -- the engine side -------------------------------------------------------
 class Publisher:
     """Owns this process's segment: publishes usage, applies limits, removes it at the end."""
@@ -227,17 +286,13 @@ class Publisher:
         used = prealloc = capacity = total = 0
         layout = device = ""
         for m in list(self.managers):
-            alloc = m._allocator
-            if alloc is None:
+            u = m.usage()  # no driver call from this thread (the device total was read at start)
+            if u is None:
                 continue
-            in_use = int(alloc.num_in_use)
-            reserved = int(alloc.num_reserved)
-            used += in_use * m.page_group_bytes
-            prealloc += reserved * m.page_group_bytes
-            capacity += m.num_pages * m.page_group_bytes
-            rt = m._runtime
-            total = m.device_total  # read once at start: no driver call from this thread
-            layout, device = rt.layout.value, rt.device
+            used += u.used
+            prealloc += u.prealloc
+            capacity += u.capacity
+            total, layout, device = u.device_total, u.layout, u.device
         return used, prealloc, capacity, total, layout, device
 
     def publish(self, w: _Writer | None = None) -> None:
@@ -251,16 +306,16 @@ class Publisher:
 
     def apply_limit(self, limit: int) -> None:
         """Split ``limit`` bytes over this process's pools by their capacity; NO_LIMIT lifts the cap."""
-        managers = [m for m in list(self.managers) if m._allocator is not None]
-        capacity = sum(m.num_pages * m.page_group_bytes for m in managers)
-        for m in managers:
+        pools = [(m, u) for m in list(self.managers) if (u := m.usage()) is not None]
+        capacity = sum(u.capacity for _, u in pools)
+        for m, u in pools:
             if limit < 0:
-                m._set_limit("ipc", None)
+                m.set_limit("ipc", None)
                 continue
-            share = limit * (m.num_pages * m.page_group_bytes) // max(capacity, 1)
+            share = limit * u.capacity // max(capacity, 1)
             pages = share // m.page_group_bytes
             # the allocator unmaps its reserve above the cap now, and in-use pages as they are freed
-            m._set_limit("ipc", pages)
+            m.set_limit("ipc", pages)
         self._applied = limit
 
     def tick(self) -> None:

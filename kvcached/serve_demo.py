@@ -4,7 +4,8 @@
 
 Starts two vLLM engines (each in its own process, ``ENABLE_KVCACHED=true``: the
 ``vllm.general_plugins`` entry point does the rest) on vLLM's default device, by
-default on two tiny local models made on the spot (random weights, no downloads).
+default on two tiny local models made on the spot (random weights, no downloads;
+the repository's ``tools/tiny_model.py`` makes them, so run that from the root).
 Engine A gets a burst of requests, then engine B. Every half second it prints
 each engine's mapped KV memory, read from its ``/dev/shm`` segment (what
 ``kvctl list`` shows), then a few outputs and a one-line verdict: memory rose
@@ -25,10 +26,25 @@ from pathlib import Path
 MiB = 1 << 20
 
 
-def _prompts(n: int, tag: str) -> list[str]:
-    from kvcached.integration.vllm.tiny_model import CORPUS
+_TOPICS = ("elastic memory for the KV cache", "two engines sharing one device", "paged attention over blocks",
+           "pages that follow the load", "a small model with random weights", "the numbers from zero to sixteen")
 
-    return [f"{tag}{i} {CORPUS[i % 6]} {i * 7 % 13}" for i in range(n)]
+
+def _prompts(n: int, tag: str) -> list[str]:
+    return [f"{tag}{i} Tell me about {_TOPICS[i % len(_TOPICS)]}, part {i * 7 % 13}." for i in range(n)]
+
+
+def _tiny_model_maker():
+    """``tools.tiny_model.make_tiny_llama``: a development tool of the repository, not of the package."""
+    try:
+        from tools.tiny_model import make_tiny_llama
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("tools", "tools.tiny_model"):
+            raise
+        raise SystemExit("serve_demo: the default tiny models are made by tools/tiny_model.py, which is in "
+                         "kvcached's repository, not in the installed package. Run the demo from the repository "
+                         "root (bash scripts/dev.sh demo), or pass --models DIR_A DIR_B.") from None
+    return make_tiny_llama
 
 
 def run_engine(args: argparse.Namespace) -> None:
@@ -115,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.models:
         models = list(args.models)
     else:
-        from kvcached.integration.vllm.tiny_model import make_tiny_llama
-
+        make_tiny_llama = _tiny_model_maker()
         # head size 64 x 4 KV heads: a 256 KiB block per layer, so a burst needs many 2 MiB pages
         models = [str(make_tiny_llama(Path(args.workdir) / f"model_{x}", seed=i, hidden_size=256, num_kv_heads=4))
                   for i, x in enumerate("ab")]

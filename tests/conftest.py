@@ -17,8 +17,11 @@ if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Host-backend processes on one /dev/shm segment share one physical budget (like
-# one GPU); a test session gets its own, so concurrent or earlier runs never meet.
+# one GPU); a test session gets its own, so concurrent or earlier runs never meet
+# (and each test gets its own too: own_host_budget below).
 _HOST_SHM = f"kvcached_pytest_{os.getpid()}"
+if os.environ.get("KVCACHED_HOST_SHM_NAME") == f"kvcached_pytest_{os.getppid()}":
+    os.environ["KVCACHED_HOST_SHM_NAME"] = _HOST_SHM  # a pytest-xdist worker: its own, not its controller's
 os.environ.setdefault("KVCACHED_HOST_SHM_NAME", _HOST_SHM)
 
 
@@ -31,7 +34,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         pass
 
 
+_E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e") + os.sep
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under pytest-xdist (scripts/dev.sh runs `-n 2 --dist loadgroup`) the end-to-end tests stay in
+    # one worker, in order: their session fixtures (the tiny model, the baseline engine runs) are
+    # made once, and the engines never compete with each other.
+    group = pytest.mark.xdist_group("e2e")
+    for item in items:
+        if str(item.fspath).startswith(_E2E):
+            item.add_marker(group)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU (CUDA or ROCm)")
@@ -45,12 +58,20 @@ def device() -> str:
     return "cuda" if HAS_GPU else "cpu"
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def own_host_budget(monkeypatch: pytest.MonkeyPatch):
-    """A /dev/shm budget segment of the test's own, for tests that set host budgets."""
-    from kvcached import _vmm
+    """A /dev/shm budget segment of the test's own.
 
+    Every test gets one: a budget limit that a test sets (KVCACHED_HOST_MEM_LIMIT_MB) stays
+    on its segment, and so do pages its not-yet-collected objects still hold. On one
+    session-wide segment those reached later tests, which then passed or failed by test order
+    (pytest-xdist reorders tests).
+    """
     name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("KVCACHED_HOST_SHM_NAME", name)
     yield name
+    try:
+        from kvcached import _vmm
+    except ImportError:  # not built: nothing can have made the segment
+        return
     _vmm.unlink_host_shm(name)

@@ -92,3 +92,42 @@ def test_attention_compiles_for_amd_and_nvidia():
     assert len(ok) == 4, r.stdout
     assert any("gfx942" in ln and "attn_prefill" in ln and "vgprs=" in ln for ln in ok), r.stdout
     assert any("sm90" in ln and "attn_decode" in ln for ln in ok), r.stdout
+
+
+def test_representative_subset_has_every_kernel_dtype_and_constexpr_value():
+    # CI compiles every variant for gfx942 and this subset for the other targets (--full: all of them)
+    import importlib
+
+    from kvcached.kernels.compile_check import DEFAULT_MODULES, representative
+
+    for target in ("gfx90a", "gfx950", "sm80", "sm90"):
+        for name in DEFAULT_MODULES:
+            variants = importlib.import_module(name).compile_variants(target)
+            picked = representative(variants)
+            assert picked == sorted(set(picked)) and 0 < len(picked) < len(variants)
+            assert representative(variants) == picked  # deterministic
+            sub = [variants[i] for i in picked]
+            for v in variants:
+                k = v.fn.__name__
+                for arg, t in v.signature.items():
+                    if t.startswith("*"):
+                        assert any(s.fn.__name__ == k and s.signature[arg] == t for s in sub), (target, k, arg, t)
+                for name, value in v.constexprs.items():
+                    assert any(s.fn.__name__ == k and s.constexprs.get(name) == value for s in sub), (target, k, name)
+                for name, value in v.options.items():
+                    assert any(s.fn.__name__ == k and s.options.get(name) == value for s in sub), (target, k, name)
+
+
+def test_representative_subset_is_small():
+    from kvcached.kernels.compile_check import representative
+    from kvcached.kernels.platform import CompileVariant
+
+    def kernel():
+        pass
+
+    variants = [CompileVariant(f"v{i}", kernel, {"x": f"*{dt}"}, {"N": n}) for i, (dt, n) in
+                enumerate((dt, n) for dt in ("fp16", "bf16", "fp32") for n in (16, 32, 64, 128))]
+    picked = representative(variants)
+    assert len(picked) == 4  # 4 values of N, 3 dtypes: 4 variants cover both axes
+    assert {variants[i].constexprs["N"] for i in picked} == {16, 32, 64, 128}
+    assert {variants[i].signature["x"] for i in picked} == {"*fp16", "*bf16", "*fp32"}

@@ -185,3 +185,17 @@ def test_cli_utils_round_trip(name: str) -> None:
     assert info is not None and info.total_size == 16 * MiB
     got = cli_utils.get_kv_cache_limit(name)
     assert got is not None and got.total_size == 16 * MiB and got.limit == 16 * MiB
+
+
+def test_manager_usage_and_set_limit_are_what_the_monitor_uses(name: str) -> None:
+    m = _pool(8, contiguous=False)
+    blocks = m.alloc(512 * 2)
+    assert blocks is not None
+    u = m.usage()
+    assert u is not None and u.used == 2 * GROUP and u.capacity == 8 * GROUP
+    assert u.prealloc == m.page_allocator.num_reserved * GROUP
+    assert (u.layout, u.device) == ("per_layer", "cpu") and u.device_total == m.device_total > 0
+    assert m.set_limit("ipc", 3) and m.limit_pages == 3
+    assert m.set_limit("ipc", None) and m.limit_pages == 8
+    m.close()
+    assert m.usage() is None and m.set_limit("ipc", 1) is False

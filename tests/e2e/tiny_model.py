@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvcached.integration.vllm.tiny_model import CORPUS
-from kvcached.integration.vllm.tiny_model import make_tiny_llama as make_tiny_model
+from tools.tiny_model import CORPUS
+from tools.tiny_model import make_tiny_llama as make_tiny_model
 
 __all__ = ["BURST_PROMPTS", "CORPUS", "LONG_PROMPTS", "PROMPTS", "make_tiny_model"]
 

@@ -3,6 +3,10 @@
 vLLM loads it like any Hugging Face model, so the end-to-end tests and the
 two-engine demo need no downloads. Head size 32 is the smallest the CPU
 attention kernels accept; 2 KV heads make it GQA.
+
+A development tool, not part of the installed package: import it from the
+repository root as ``tools.tiny_model`` (``python -m kvcached.serve_demo`` and
+pytest, run from the root, do).
 """
 
 from __future__ import annotations
