@@ -89,13 +89,16 @@ def _teacher_forced(results: list, spec: dict) -> list[dict]:
     out = []
     for r in results:
         ids = list(r.prompt_token_ids)
-        lps, top = [], []
+        lps, top, margin = [], [], []
         for pos, entry in enumerate(r.prompt_logprobs or []):
             if entry is None or pos == 0:
                 continue
             lps.append(float(entry[ids[pos]].logprob))
-            top.append(int(min(entry.items(), key=lambda kv: kv[1].rank)[0]))
-        out.append({"logprobs": lps, "top1": top, "targets": ids[1:]})
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            top.append(int(ranked[0][0]))
+            # how far ahead the top token is (with prompt_logprobs >= 2): near-ties may flip between kernels
+            margin.append(float(ranked[0][1].logprob - ranked[1][1].logprob) if len(ranked) > 1 else None)
+        out.append({"logprobs": lps, "top1": top, "margin": margin, "targets": ids[1:]})
     return out
 
 

@@ -14,12 +14,44 @@ RUNNER = HERE / "engine_runner.py"
 REPO = HERE.parent.parent
 
 
-def engine_env(**overrides: str | None) -> dict[str, str]:
-    """A clean environment for one engine: no inherited KVCACHED_*/ENABLE_KVCACHED, then ``overrides``."""
+# vLLM releases installed beside the venv's own (``pip install --target``; see scripts/dev.sh), put first on an
+# engine's path by ``engine_env(vllm=...)``: the supported range's other end runs in CI too.
+VLLM_OVERLAYS = {"0.27.0": REPO / ".venv-vllm027"}
+LOGPROB_TOL = 0.06  # bf16: two correct attention kernels differ by rounding only
+
+
+def check_teacher_forced(base: list[dict], ours: list[dict], tol: float = LOGPROB_TOL,
+                         min_agree: float = 0.99) -> None:
+    """Teacher-forced logprobs of the same prompts (``prompt_logprobs=2``): every logprob within ``tol``; the
+    top-1 token the same wherever the baseline's lead over the second exceeds ``2 * tol`` (closer calls may
+    flip between two correct kernels) and at ``min_agree`` of all positions."""
+    diffs, agree, total, decisive_wrong = [], 0, 0, []
+    for a, b in zip(base, ours, strict=True):
+        assert a["targets"] == b["targets"]
+        diffs += [abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)]
+        for x, y, m in zip(a["top1"], b["top1"], a["margin"], strict=True):
+            agree += x == y
+            total += 1
+            if x != y and (m is None or m > 2 * tol):
+                decisive_wrong.append((x, y, m))
+    assert total >= 50 and all(d == d for d in diffs), (total, diffs[:5])
+    print(f"teacher-forced logprobs over {total} positions: max |diff| {max(diffs):.2e}, top-1 agreement "
+          f"{agree}/{total}")
+    assert max(diffs) <= tol
+    assert not decisive_wrong, f"top-1 differs where the baseline led by > {2 * tol}: {decisive_wrong[:5]}"
+    assert agree >= min_agree * total
+
+
+def engine_env(vllm: str | None = None, **overrides: str | None) -> dict[str, str]:
+    """A clean environment for one engine: no inherited KVCACHED_*/ENABLE_KVCACHED, then ``overrides``.
+
+    ``vllm``: run that release from :data:`VLLM_OVERLAYS` instead of the installed one.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_") and k != "ENABLE_KVCACHED"}
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "1"})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    overlay = str(VLLM_OVERLAYS[vllm]) if vllm else ""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (overlay, str(REPO), env.get("PYTHONPATH", "")) if p)
     for key, value in overrides.items():
         if value is None:
             env.pop(key, None)
