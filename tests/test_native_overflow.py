@@ -102,3 +102,51 @@ def test_benchmarks_refuse_sizes_that_wrap(fn):
     run_isolated(f"""
         expect(ValueError, "must be at most 2^48 B", vmm.{fn}, b, 2**43 + 16, U)
     """)
+
+
+def _allocator():
+    b = vmm.Backend("host", host_limit_bytes=64 * MiB)
+    vt = vmm.VirtualTensor(b, 8 * U, U)
+    pa = vmm.PageAllocator(b, [vt], [(0, 0, U)], 8, 0, 0, False)
+    return b, vt, pa
+
+
+CALLS = {
+    "alloc_pages": lambda b, vt, pa, x: pa.alloc_pages(x),
+    "set_limit_pages": lambda b, vt, pa, x: pa.set_limit_pages(x),
+    "is_in_use": lambda b, vt, pa, x: pa.is_in_use(x),
+    "PageAllocator.num_pages": lambda b, vt, pa, x: vmm.PageAllocator(b, [vt], [(0, 0, U)], x, 0, 0, False),
+    "PageAllocator.max_reserved": lambda b, vt, pa, x: vmm.PageAllocator(b, [vt], [(0, 0, U)], 4, 0, x, False),
+    "BlockPool.alloc": lambda b, vt, pa, x: vmm.BlockPool(pa, 4, 32).alloc(x),
+    "BlockPool.num_blocks": lambda b, vt, pa, x: vmm.BlockPool(pa, 4, x),
+    "BlockPool.is_allocated": lambda b, vt, pa, x: vmm.BlockPool(pa, 4, 32).is_allocated(x),
+    "VirtualTensor.size": lambda b, vt, pa, x: vmm.VirtualTensor(b, x, U),
+    "Backend.device": lambda b, vt, pa, x: vmm.Backend("host", x),
+    "set_host_limit": lambda b, vt, pa, x: b.set_host_limit(x),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_bool_is_not_a_count(name):
+    b, vt, pa = _allocator()
+    for flag in (True, False):
+        with pytest.raises(TypeError, match="got bool"):
+            CALLS[name](b, vt, pa, flag)
+    assert pa.num_in_use == 0
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_int_past_64_bits_says_so(name):
+    b, vt, pa = _allocator()
+    with pytest.raises(ValueError, match="does not fit in 64 bits"):
+        CALLS[name](b, vt, pa, 2**64)
+    with pytest.raises(TypeError, match="must be an int, got float"):
+        CALLS[name](b, vt, pa, 1.0)
+
+
+def test_bool_ids_are_refused():
+    b, vt, pa = _allocator()
+    pa.alloc_pages(2)
+    with pytest.raises(ValueError, match=r"ids\[0\] is not an int \(a bool\)"):
+        pa.free_pages([True])
+    assert pa.num_in_use == 2
