@@ -12,7 +12,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -206,7 +206,7 @@ class KVCacheManager:
             raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.") from None
 
     def _alloc_with_reserved(self, pool: Any, need_size: int) -> list[int] | None:
-        if not isinstance(need_size, int):
+        if not isinstance(need_size, int) or isinstance(need_size, bool):
             raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.")
         if need_size < 0:
             raise ValueError(f"alloc: need_size must be an int >= 0, got {need_size!r}.")
@@ -222,24 +222,31 @@ class KVCacheManager:
         del self._reserved[:taken]
         return out + extra
 
-    def free(self, indices: Sequence[int]) -> None:
+    def free(self, indices: Iterable[int]) -> None:
         """Give blocks back; ValueError (nothing freed) for an unknown, reserved or already free id."""
         pool = self._pool or self._bind()
         if self._reserved or self.null_block is not None:
-            self._check_freeable(indices)
+            indices = self._check_freeable(indices)
         pool.free(indices)
 
-    def _check_freeable(self, indices: Sequence[int]) -> None:
-        if not hasattr(indices, "__iter__"):
-            raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
+    def _check_freeable(self, indices: Iterable[int]) -> list[int] | tuple[int, ...]:
+        """The ids, read once: an iterator checked here would reach the pool empty."""
+        if not isinstance(indices, (list, tuple)):
+            if not hasattr(indices, "__iter__"):
+                raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
+            indices = list(indices)
         if self.null_block is not None and 0 in indices:
             raise ValueError("block 0 is the null block reserved for padding; it cannot be freed.")
         if self._reserved:
-            held = set(self._reserved).intersection(indices)
+            try:
+                held = set(self._reserved).intersection(indices)
+            except TypeError:  # an unhashable id: pool.free names it
+                held = set()
             if held:
                 raise ValueError(
                     f"blocks {sorted(held)[:8]} are held by try_to_reserve(); release them with free_reserved()."
                 )
+        return indices
 
     def try_to_reserve(self, need_size: int) -> bool:
         """Take ``need_size`` more blocks now for a later :meth:`alloc`; False (nothing taken) if not possible."""

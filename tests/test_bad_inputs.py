@@ -102,6 +102,12 @@ LIVE_CASES: dict[str, tuple[Callable[[Ctx, pytest.MonkeyPatch], object], type[Ba
     "free-mixed-good-and-bad": (lambda c, mp: c.mgr.free([c.live[1], 10**9]), ValueError, "nothing was freed"),
     "free-null-block": (lambda c, mp: c.mgr.free([0]), ValueError, "null block"),
     "free-reserved-block": (lambda c, mp: c.mgr.free([c.mgr._reserved[0]]), ValueError, "free_reserved"),
+    "free-iterator-null-block": (lambda c, mp: c.mgr.free(iter([c.live[0], 0])), ValueError, "null block"),
+    "free-generator-reserved-block": (lambda c, mp: c.mgr.free(i for i in [c.live[0], c.mgr._reserved[0]]),
+                                      ValueError, "free_reserved"),
+    "free-unhashable-id": (lambda c, mp: c.mgr.free([c.live[0], [1]]), ValueError, r"ids\[1\] is not an int"),
+    "free-bool-id": (lambda c, mp: c.mgr.free([c.live[0], True]), ValueError, r"ids\[1\] is not an int"),
+    "alloc-bool": (lambda c, mp: c.mgr.alloc(True), TypeError, "int number of blocks"),
     "alloc-negative": (lambda c, mp: c.mgr.alloc(-1), ValueError, ">= 0"),
     "alloc-float": (lambda c, mp: c.mgr.alloc(1.5), TypeError, "int"),
     "over-allocation-raises-exhausted": (lambda c, mp: c.mgr.alloc_or_raise(PAGES * 512), KVCachePoolExhausted,
@@ -193,6 +199,21 @@ def test_bad_input_with_live_pool(kind: str, ctx: Ctx, env: pytest.MonkeyPatch) 
     assert got is not None and not set(got) & set(ctx.live)
     m.free(got)
     _intact(ctx)
+
+
+@pytest.mark.parametrize("make", [iter, tuple, lambda ids: (i for i in ids), lambda ids: dict.fromkeys(ids)])
+def test_free_takes_any_iterable_once(ctx: Ctx, make: Callable[[list[int]], object]) -> None:
+    m = ctx.mgr
+    gone, ctx.live = ctx.live[:5], ctx.live[5:]
+    before = m.num_allocated_blocks()
+    m.free(make(gone))  # checked against the null block and the reservations, then freed
+    assert m.num_allocated_blocks() == before - 5
+    assert not any(m._pool.is_allocated(i) for i in gone)
+    _intact(ctx)
+    m.free_reserved()
+    with pytest.raises(TypeError, match="int number of blocks"):
+        m.alloc(True)  # the native fast path (no reservation) refuses a bool too
+    assert m.num_allocated_blocks() == before - 15
 
 
 # -- bad inputs with no runtime (before init, after shutdown, bad init env) ------
