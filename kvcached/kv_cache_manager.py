@@ -67,12 +67,14 @@ class KVCacheManager:
                 raise KVCachedConfigError(f"KVCacheManager: {name} must be a positive int, got {value!r}.")
         if tp_size is not None:
             world_size = tp_size
-        if world_size != 1:
+        if isinstance(world_size, bool) or world_size != 1:
             raise KVCachedConfigError(
                 f"KVCacheManager: tensor parallelism (world_size={world_size}) is not supported yet; use 1."
             )
-        if num_kv_buffers not in (1, 2):
+        if isinstance(num_kv_buffers, bool) or num_kv_buffers not in (1, 2):
             raise KVCachedConfigError(f"num_kv_buffers must be 1 or 2, got {num_kv_buffers!r}.")
+        if not isinstance(group_id, int) or isinstance(group_id, bool) or group_id < 0:
+            raise KVCachedConfigError(f"KVCacheManager: group_id must be an int >= 0, got {group_id!r}.")
         rt = vmm_ops.runtime()
         self.num_blocks = num_blocks
         self.block_size = block_size

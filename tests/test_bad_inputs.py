@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import uuid
@@ -156,6 +157,9 @@ LIVE_CASES: dict[str, tuple[Callable[[Ctx, pytest.MonkeyPatch], object], type[Ba
     "sglang-page-does-not-divide": (lambda c, mp: (mp.setattr(sg, "_kvcached_initialized", True),
                                                    sg.alloc_kv_cache((100, 3, 100), DTYPE, "cpu", 2, page_size=3)),
                                     KVCachedConfigError, "does not divide"),
+    "sglang-page-size-bool": (lambda c, mp: (mp.setattr(sg, "_kvcached_initialized", True),
+                                             sg.alloc_kv_cache((100, 2, 64), DTYPE, "cpu", 2, page_size=True)),
+                              KVCachedConfigError, "page_size .* must be a positive int"),
     "sglang-shape-not-3d": (lambda c, mp: (mp.setattr(sg, "_kvcached_initialized", True),
                                            sg.alloc_kv_cache((100, 2), DTYPE, "cpu", 2)),
                             KVCachedConfigError, "num_tokens, heads, head_dim"),
@@ -174,6 +178,20 @@ LIVE_CASES: dict[str, tuple[Callable[[Ctx, pytest.MonkeyPatch], object], type[Ba
     "env-min-above-max": (_with_env("KVCACHED_MIN_RESERVED_PAGES", "50"), KVCachedConfigError, "exceeds"),
     "env-utilization-above-one": (_with_env("KVCACHED_GPU_UTILIZATION", "2"), KVCachedConfigError,
                                   "KVCACHED_GPU_UTILIZATION"),
+    "env-max-reserved-past-64-bits": (_with_env("KVCACHED_MAX_RESERVED_PAGES", str(2**70)), KVCachedConfigError,
+                                      "KVCACHED_MAX_RESERVED_PAGES=.* must be at most"),
+    "manager-num-kv-buffers-bool": (lambda c, mp: KVCacheManager(10, BS, CELL, LAYERS, num_kv_buffers=True, group_id=1),
+                                    KVCachedConfigError, "num_kv_buffers must be 1 or 2, got True"),
+    "manager-group-id-bool": (lambda c, mp: KVCacheManager(10, BS, CELL, LAYERS, group_id=True),
+                              KVCachedConfigError, "group_id must be an int"),
+    "manager-world-size-bool": (lambda c, mp: KVCacheManager(10, BS, CELL, LAYERS, world_size=True),
+                                KVCachedConfigError, "world_size=True"),
+    "kv-tensors-group-id-bool": (lambda c, mp: vmm_ops.create_kv_tensors(4 * MiB, 2, "cpu", LAYERS, group_id=True),
+                                 KVCachedConfigError, "group_id must be an int"),
+    "kv-tensors-buffers-bool": (lambda c, mp: vmm_ops.create_kv_tensors(4 * MiB, 2, "cpu", LAYERS, True, 1),
+                                KVCachedConfigError, "num_kv_buffers"),
+    "kv-spec-kv-factor-bool": (lambda c, mp: KVSpec(2, 10, 16, 2, 64, DTYPE, True), KVCachedConfigError,
+                               "kv_factor must be 1 or 2"),
     "env-prealloc-not-bool": (_with_env("KVCACHED_PAGE_PREALLOC_ENABLED", "maybe"), KVCachedConfigError,
                               "not a boolean"),
     "kvctl-negative-limit": (lambda c, mp: cli_utils.update_kv_cache_limit(mem_info.publisher().name, -5),
@@ -253,6 +271,12 @@ NO_RUNTIME_CASES: dict[str, tuple[Callable[[pytest.MonkeyPatch], object], type[B
     "env-layout-not-bool": (_init_env("KVCACHED_CONTIGUOUS_LAYOUT", "maybe"), KVCachedConfigError,
                             "KVCACHED_CONTIGUOUS_LAYOUT"),
     "env-host-limit-zero": (_init_env("KVCACHED_HOST_MEM_LIMIT_MB", "0"), KVCachedConfigError, "at least 1"),
+    "env-host-limit-huge": (_init_env("KVCACHED_HOST_MEM_LIMIT_MB", str(2**50)), KVCachedConfigError,
+                            "KVCACHED_HOST_MEM_LIMIT_MB=.* must be at most"),
+    "env-page-size-huge": (_init_env("KVCACHED_PAGE_SIZE_MB", str(2**40)), KVCachedConfigError,
+                           "KVCACHED_PAGE_SIZE_MB=.* must be at most 1024"),
+    "env-log-level-unknown": (_init_env("KVCACHED_LOG_LEVEL", "loud"), KVCachedConfigError,
+                              "KVCACHED_LOG_LEVEL='LOUD' is not one of"),
     "vllm-tensor-parallel": (lambda mp: vi.init_kvcached(world_size=2, device="cpu"), KVCachedConfigError,
                              "tensor parallel"),
 }
@@ -269,7 +293,7 @@ def test_bad_input_without_runtime(kind: str, env: pytest.MonkeyPatch) -> None:
     assert re.search(pattern, str(info.value)), f"unclear message for {kind}: {info.value!r}"
     # nothing half-initialized is left behind: a correct init works now
     for var in ("KVCACHED_BACKEND", "KVCACHED_PAGE_SIZE_MB", "KVCACHED_CONTIGUOUS_LAYOUT",
-                "KVCACHED_HOST_MEM_LIMIT_MB"):
+                "KVCACHED_HOST_MEM_LIMIT_MB", "KVCACHED_LOG_LEVEL"):
         env.delenv(var, raising=False)
     if vmm_ops.is_initialized():
         vmm_ops.shutdown_kvcached()
@@ -277,6 +301,17 @@ def test_bad_input_without_runtime(kind: str, env: pytest.MonkeyPatch) -> None:
     vmm_ops.create_kv_tensors(4 * MiB, 2, "cpu", LAYERS)
     m = KVCacheManager(512, BS, CELL, LAYERS)
     assert m.alloc(2) is not None
+
+
+def test_bad_log_level_raises_where_the_logger_is_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcached.utils import get_kvcached_logger
+
+    name = f"kvcached.test_{uuid.uuid4().hex[:8]}"  # a logger not yet set up, as at first import
+    monkeypatch.setenv("KVCACHED_LOG_LEVEL", "loud")
+    with pytest.raises(KVCachedConfigError, match="KVCACHED_LOG_LEVEL='LOUD' is not one of DEBUG"):
+        get_kvcached_logger(name)
+    monkeypatch.setenv("KVCACHED_LOG_LEVEL", "warning")
+    assert get_kvcached_logger(name).level == logging.WARNING
 
 
 def test_at_least_thirty_kinds() -> None:
