@@ -148,6 +148,12 @@ def sanity_check() -> bool:
     return bool(env_bool("KVCACHED_SANITY_CHECK", False))
 
 
+def kernel_checks() -> bool:
+    """``KVCACHED_KERNEL_CHECKS``: the kernels check block ids, lengths, offsets, slots and
+    fp8 scales on the device before each launch (one host sync per call; a debug mode)."""
+    return bool(env_bool("KVCACHED_KERNEL_CHECKS", False))
+
+
 def log_level() -> str:
     value = (_raw("KVCACHED_LOG_LEVEL") or "INFO").upper()
     if value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
