@@ -152,7 +152,7 @@ void bind_allocators(py::module_& m) {
                                                 py_int(num_blocks, "num_blocks"));
            }),
            py::arg("page_allocator"), py::arg("blocks_per_page"), py::arg("num_blocks"))
-      .def("alloc", [](BlockPool& bp, py::object n) -> py::object {
+      .def("alloc", [](BlockPool& bp, py::handle n) -> py::object {
         auto r = bp.alloc(py_int(n, "n"));
         if (!r) return py::none();
         return to_pylist(*r);
