@@ -50,23 +50,28 @@ py::list to_pylist(const std::vector<int64_t>& v) {
 std::vector<RegionSpec> parse_regions(py::handle regions) {
   std::vector<RegionSpec> out;
   size_t i = 0;
+  if (!py::isinstance<py::iterable>(regions)) {
+    throw_value("regions must be a list of (tensor, base, size) or layout.Region, got " + py_type_name(regions) + ".");
+  }
   for (py::handle item : regions) {
     int64_t t, base, size;
     try {
       if (py::hasattr(item, "tensor") && py::hasattr(item, "base") && py::hasattr(item, "size")) {
-        t = item.attr("tensor").cast<int64_t>();
-        base = item.attr("base").cast<int64_t>();
-        size = item.attr("size").cast<int64_t>();
+        t = py_int(item.attr("tensor"), "tensor");
+        base = py_int(item.attr("base"), "base");
+        size = py_int(item.attr("size"), "size");
       } else {
         auto tup = py::reinterpret_borrow<py::sequence>(item);
         if (py::len(tup) != 3) throw py::cast_error();
-        t = tup[0].cast<int64_t>();
-        base = tup[1].cast<int64_t>();
-        size = tup[2].cast<int64_t>();
+        t = py_int(tup[0], "tensor");
+        base = py_int(tup[1], "base");
+        size = py_int(tup[2], "size");
       }
-    } catch (const py::error_already_set&) {
-      throw_value("region " + std::to_string(i) + " must be (tensor, base, size) ints or a layout.Region.");
     } catch (const py::cast_error&) {
+      throw_value("region " + std::to_string(i) + " must be (tensor, base, size) ints or a layout.Region.");
+    } catch (const py::builtin_exception& e) {  // py_int: bool, float, past 64 bits
+      throw_value("region " + std::to_string(i) + ": " + e.what());
+    } catch (const py::error_already_set&) {
       throw_value("region " + std::to_string(i) + " must be (tensor, base, size) ints or a layout.Region.");
     }
     if (base < 0 || size <= 0) {

@@ -150,3 +150,14 @@ def test_bool_ids_are_refused():
     with pytest.raises(ValueError, match=r"ids\[0\] is not an int \(a bool\)"):
         pa.free_pages([True])
     assert pa.num_in_use == 2
+
+
+@pytest.mark.parametrize("regions, match", [
+    ([(0, 0, True)], "region 0: size must be an int, got bool"),
+    ([(0, 2**64, U)], "region 0: base = 18446744073709551616 does not fit in 64 bits"),
+    (5, "regions must be a list of"),
+])
+def test_region_ints_are_checked(regions, match):
+    b, vt, _ = _allocator()
+    with pytest.raises(ValueError, match=match):
+        vmm.PageAllocator(b, [vt], regions, 4, 0, 0, False)
