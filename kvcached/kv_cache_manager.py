@@ -3,7 +3,9 @@
 A thin layer over the native ``BlockPool`` (blocks within pages) and
 ``PageAllocator`` (pages mapped under the virtual KV tensors): the fast path
 (``alloc``/``free``/``available_size``) is one native call, with no Python loop
-over blocks and no lock unless the engine schedules asynchronously.
+over blocks and no Python lock: the native pool has its own. Blocks held by
+``try_to_reserve`` and the first bind to the KV tensors are Python state, guarded
+by locks of their own, so the default manager is safe to call from several threads.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class KVCacheManager:
         cell_size: bytes of one token of one layer's K (or V).
         num_layers: layers sharing each block id.
         world_size: tensor-parallel size (only 1 is supported).
-        async_sched: the engine calls from several threads: every call takes a lock.
+        async_sched: every call takes one lock, so calls never interleave (the default is
+            thread-safe too, but lets a plain alloc/free run beside other calls).
         reserve_null_block: block 0 is taken at start and never handed out (SGLang, vLLM padding).
         num_kv_buffers: 2 for K and V, 1 for MLA or a unified pool.
         group_id: which ``create_kv_tensors`` group the blocks live in.
@@ -100,6 +103,11 @@ class KVCacheManager:
         self._util = config.gpu_utilization()
 
         self._reserved: list[int] = []
+        # Guards every read-then-change of _reserved: alloc takes from it after a native call
+        # that may drop the GIL, so another thread could take or free the same blocks meanwhile.
+        self._reserved_lock = threading.Lock()
+        # One thread binds; the others wait, then see _pool set only once the null block is taken.
+        self._bind_lock = threading.Lock()
         self._limits: dict[str, int] = {}
         self._limit_lock = threading.Lock()
         self._pool: Any = None
@@ -118,10 +126,14 @@ class KVCacheManager:
 
     # -- binding to the KV tensors ----------------------------------------
     def _bind(self) -> Any:
-        if self._closed:
-            raise KVCachedStateError(f"KVCacheManager {self.pool_name} is closed; create a new one.")
-        if self._pool is not None:
-            return self._pool
+        with self._bind_lock:
+            if self._closed:
+                raise KVCachedStateError(f"KVCacheManager {self.pool_name} is closed; create a new one.")
+            if self._pool is not None:
+                return self._pool
+            return self._bind_locked()
+
+    def _bind_locked(self) -> Any:
         deadline = time.monotonic() + KV_TENSOR_WAIT_TIMEOUT
         while not vmm_ops.kv_tensors_created(self.group_id):
             if vmm_ops._runtime is not self._runtime:
@@ -159,19 +171,21 @@ class KVCacheManager:
             group.allocator = allocator
             group.owner = weakref.ref(self)
             self._allocator = allocator
-            self._pool = vmm_ops.BlockPool(allocator, self.blocks_per_page, self.num_blocks)
+            pool = vmm_ops.BlockPool(allocator, self.blocks_per_page, self.num_blocks)
         total = int(self._runtime.backend.mem_info()[1])
         self.device_total = total
         self._set_limit("utilization", int(self._util * total) // self.page_group_bytes)
         if self.reserve_null_block:
-            null = self._pool.alloc(1)
+            null = pool.alloc(1)
             if null != [0]:
                 raise KVCachedStateError(f"could not reserve block 0 as the null block (got {null}).")
             self.null_block = null
         from kvcached import mem_info
 
         mem_info.register(self)
-        return self._pool
+        # Last: the lock-free fast path (self._pool or self._bind()) may use the pool from here on.
+        self._pool = pool
+        return pool
 
     @property
     def page_allocator(self) -> Any:
@@ -212,16 +226,17 @@ class KVCacheManager:
             raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.")
         if need_size < 0:
             raise ValueError(f"alloc: need_size must be an int >= 0, got {need_size!r}.")
-        taken = min(need_size, len(self._reserved))
-        rest = need_size - taken
-        extra: list[int] = []
-        if rest:
-            got = pool.alloc(rest)
-            if got is None:
-                return None
-            extra = got
-        out = self._reserved[:taken]
-        del self._reserved[:taken]
+        with self._reserved_lock:
+            taken = min(need_size, len(self._reserved))
+            rest = need_size - taken
+            extra: list[int] = []
+            if rest:
+                got = pool.alloc(rest)
+                if got is None:
+                    return None
+                extra = got
+            out = self._reserved[:taken]
+            del self._reserved[:taken]
         return out + extra
 
     def free(self, indices: Iterable[int]) -> None:
@@ -258,14 +273,16 @@ class KVCacheManager:
         got = pool.alloc(need_size)
         if got is None:
             return False
-        self._reserved.extend(got)
+        with self._reserved_lock:
+            self._reserved.extend(got)
         return True
 
     def free_reserved(self) -> None:
         """Give back every block held by :meth:`try_to_reserve`."""
         pool = self._pool or self._bind()
-        if self._reserved:
+        with self._reserved_lock:
             held, self._reserved = self._reserved, []
+        if held:
             pool.free(held)
 
     def trim(self) -> None:
@@ -309,7 +326,8 @@ class KVCacheManager:
     def clear(self) -> None:
         """Free every block (held reservations too); the null block stays reserved."""
         pool = self._pool or self._bind()
-        self._reserved = []
+        with self._reserved_lock:
+            self._reserved = []
         if pool.num_allocated() == 0:
             return
         keep = 0 if self.null_block is not None else -1
