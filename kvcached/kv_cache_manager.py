@@ -144,6 +144,9 @@ class KVCacheManager:
                     "call create_kv_tensors (or alloc_kv_cache) before using the KVCacheManager."
                 )
             time.sleep(0.001)
+        from kvcached import mem_info
+
+        mem_info.start_publisher()  # a KVCACHED_IPC_NAME it may not use fails before anything is bound
         with vmm_ops._lock:
             group = vmm_ops.get_group(self.group_id)
             geom = group.geometry
@@ -180,8 +183,6 @@ class KVCacheManager:
             if null != [0]:
                 raise KVCachedStateError(f"could not reserve block 0 as the null block (got {null}).")
             self.null_block = null
-        from kvcached import mem_info
-
         mem_info.register(self)
         # Last: the lock-free fast path (self._pool or self._bind()) may use the pool from here on.
         self._pool = pool

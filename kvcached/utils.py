@@ -70,8 +70,10 @@ def _segment_owned_by_other_live_process(name: str) -> bool:
 
     try:
         info = mem_info.read_segment(name)
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
         return False
+    except ValueError:  # someone else's file (or another kvcached version's): not ours to take
+        return True
     return info.pid != os.getpid() and mem_info.pid_alive(info.pid)
 
 

@@ -196,7 +196,7 @@ LIVE_CASES: dict[str, tuple[Callable[[Ctx, pytest.MonkeyPatch], object], type[Ba
                               "not a boolean"),
     "kvctl-negative-limit": (lambda c, mp: cli_utils.update_kv_cache_limit(mem_info.publisher().name, -5),
                              ValueError, ">= 0"),
-    "ipc-name-with-slash": (lambda c, mp: mem_info.read_segment("a/b"), ValueError, "bad IPC name"),
+    "ipc-name-with-slash": (lambda c, mp: mem_info.read_segment("a/b"), ValueError, "is a path, not a name"),
 }
 
 
