@@ -201,8 +201,9 @@ PYBIND11_MODULE(_vmm, m) {
     return HostBudget::default_name(static_cast<int>(d));
   }, py::arg("device") = 0,
         "The host budget segment a Backend('host', device) opens: KVCACHED_HOST_SHM_NAME or kvcached_host_<uid>_<device>.");
-  m.def("unlink_host_shm", &HostBudget::unlink, py::arg("name"),
-        "Remove the name of a host budget segment (processes that have it open keep sharing it); False if absent.");
+  m.def("unlink_host_shm", &HostBudget::unlink, py::arg("name"), py::call_guard<py::gil_scoped_release>(),
+        "Remove the name of a host budget segment (processes that have it open keep sharing it); False if absent, "
+        "KVCachedStateError (nothing removed) if the file of that name is not a host budget segment.");
 
   m.def("_stop_all_threads", &stop_all_prealloc_threads, py::call_guard<py::gil_scoped_release>());
   // Prealloc threads must be gone before the interpreter (and the drivers) shut down.
