@@ -243,6 +243,8 @@ def create_kv_tensors(size: int, dtype_size: int, dev_str: str, num_layers: int,
 
 def kv_tensors_created(group_id: int = 0) -> bool:
     """True once :func:`create_kv_tensors` has made the tensors of ``group_id``."""
+    if not isinstance(group_id, int) or isinstance(group_id, bool) or group_id < 0:
+        raise KVCachedConfigError(f"group_id must be an int >= 0, got {group_id!r}.")
     rt = _runtime
     return rt is not None and group_id in rt.groups
 
