@@ -240,6 +240,7 @@ bool HostBudget::unlink(const std::string& name) {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
+  check_segment(fd, path, false);  // first unlocked: never wait on the lock of someone else's file
   while (flock(fd, LOCK_EX) != 0) {
     if (errno != EINTR) throw Error(ErrKind::Driver, sys_error("flock(" + path + ")", errno));
   }
@@ -276,6 +277,11 @@ std::shared_ptr<HostBudget> HostBudget::open(const std::string& raw_name, size_t
     ::close(fd);
     throw Error(kind, msg);
   };
+  try {
+    check_segment(fd, path, true);  // first unlocked: never wait on the lock of someone else's file
+  } catch (const Error& e) {
+    fail(e.what(), e.kind);
+  }
   while (flock(fd, LOCK_EX) != 0) {
     if (errno != EINTR) fail(sys_error("flock(" + name + ")", errno));
   }

@@ -220,6 +220,7 @@ class _Writer:
         self.path = path
         self.fd = _open_segment(path, os.O_RDWR)
         try:
+            _check_segment(path, self.fd)  # first unlocked: never wait on the lock of someone else's file
             fcntl.flock(self.fd, fcntl.LOCK_EX)
             _check_segment(path, self.fd)
             self.mm = mmap.mmap(self.fd, SEGMENT_BYTES)

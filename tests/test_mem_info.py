@@ -292,3 +292,36 @@ def test_ipc_name_of_a_foreign_file_is_refused_and_the_file_kept(kind: str, name
             os.rmdir(path)
         elif os.path.lexists(path):
             os.unlink(path)
+
+
+def test_a_foreign_file_locked_by_its_owner_is_refused_without_waiting(name: str) -> None:
+    import fcntl
+    import threading
+
+    from kvcached.errors import KVCachedStateError
+
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(b"another program's data, under its own flock\n")
+    owner = os.open(path, os.O_RDONLY)
+    fcntl.flock(owner, fcntl.LOCK_EX)  # held for as long as the owner likes
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            _pool(2)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    t = threading.Thread(target=start, daemon=True)
+    try:
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "kvcached waited for the lock of a file that is not its segment"
+        assert len(errors) == 1 and isinstance(errors[0], KVCachedStateError), errors
+        assert "not a kvcached segment" in str(errors[0])
+    finally:
+        fcntl.flock(owner, fcntl.LOCK_UN)
+        os.close(owner)
+        t.join(10)
+        os.unlink(path)

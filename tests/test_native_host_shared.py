@@ -161,6 +161,38 @@ def test_foreign_segment_is_refused_and_left_alone(kind: str, shm_name: str, tmp
             os.unlink(path)
 
 
+def test_a_foreign_file_locked_by_its_owner_is_refused_without_waiting(shm_name: str) -> None:
+    import fcntl
+    import threading
+
+    from kvcached.errors import KVCachedStateError
+
+    path = f"/dev/shm/{shm_name}"
+    with open(path, "wb") as f:
+        f.write(b"another program's data, under its own flock\n")
+    owner = os.open(path, os.O_RDONLY)
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    errors: list[BaseException] = []
+
+    def run(call) -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    try:
+        for call in (lambda: vmm.Backend("host", 0, 8 * MiB), lambda: vmm.unlink_host_shm(shm_name)):
+            t = threading.Thread(target=run, args=(call,), daemon=True)
+            t.start()
+            t.join(10)
+            assert not t.is_alive(), "kvcached waited for the lock of a file that is not its segment"
+        assert len(errors) == 2 and all(isinstance(e, KVCachedStateError) for e in errors), errors
+    finally:
+        fcntl.flock(owner, fcntl.LOCK_UN)
+        os.close(owner)
+        os.unlink(path)
+
+
 def test_unlink_removes_a_budget_segment_and_reports_absence(shm_name: str) -> None:
     vmm.Backend("host", 0, 8 * MiB)
     assert os.path.exists(f"/dev/shm/{shm_name}")
