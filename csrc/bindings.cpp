@@ -7,6 +7,7 @@
 #include "backend.h"
 #include "dlpack.h"
 #include "host_budget.h"
+#include "py_int.h"
 #include "vtensor.h"
 
 namespace py = pybind11;
@@ -27,7 +28,8 @@ PyObject* g_nodev_error = nullptr;
 PyObject* g_oom_error = nullptr;
 PyObject* g_state_error = nullptr;
 
-size_t as_size(int64_t v, const char* what) {
+size_t as_size(py::handle obj, const char* what) {
+  int64_t v = py_int(obj, what);
   if (v < 0) throw_value(std::string(what) + " must be >= 0, got " + std::to_string(v) + ".");
   return static_cast<size_t>(v);
 }
@@ -120,12 +122,14 @@ PYBIND11_MODULE(_vmm, m) {
   });
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
-      .def(py::init([](const std::string& kind, int device, int64_t host_limit_bytes,
+      .def(py::init([](const std::string& kind, py::object device_obj, py::object host_limit_bytes,
                        std::optional<std::string> shm_name) {
+             int64_t device = py_int(device_obj, "device");
+             if (device > INT32_MAX) throw_value("device = " + std::to_string(device) + " is not a device index.");
              size_t limit = as_size(host_limit_bytes, "host_limit_bytes");
              if (shm_name && shm_name->empty()) throw_value("shm_name must not be empty; pass None for the default.");
              py::gil_scoped_release rel;
-             return make_backend(kind, device, limit, shm_name.value_or(""));
+             return make_backend(kind, static_cast<int>(device), limit, shm_name.value_or(""));
            }),
            py::arg("kind"), py::arg("device") = 0, py::arg("host_limit_bytes") = 0, py::arg("shm_name") = py::none(),
            "host: the budget is shared by every process opening the same /dev/shm segment (shm_name, else "
@@ -143,7 +147,7 @@ PYBIND11_MODULE(_vmm, m) {
       .def("physical_bytes", &Backend::physical_bytes)
       .def("resident_bytes", [](Backend& b) { return host_resident_bytes(b); },
            "host: bytes of the memfd really backed by RAM; other backends: physical_bytes().")
-      .def("set_host_limit", [](Backend& b, int64_t bytes) { b.set_host_limit(as_size(bytes, "host limit")); },
+      .def("set_host_limit", [](Backend& b, py::object bytes) { b.set_host_limit(as_size(bytes, "host limit")); },
            py::arg("bytes"))
       .def_property_readonly("shm_name", &Backend::shm_name,
                              "host: the /dev/shm segment of the shared budget ('/name'); other backends: ''.")
@@ -153,7 +157,7 @@ PYBIND11_MODULE(_vmm, m) {
       });
 
   py::class_<VirtualTensor, std::shared_ptr<VirtualTensor>>(m, "VirtualTensor")
-      .def(py::init([](std::shared_ptr<Backend> backend, int64_t size, int64_t unit, int64_t zero_chunk) {
+      .def(py::init([](std::shared_ptr<Backend> backend, py::object size, py::object unit, py::object zero_chunk) {
              size_t s = as_size(size, "size"), u = as_size(unit, "unit"), z = as_size(zero_chunk, "zero_chunk");
              py::gil_scoped_release rel;
              return std::make_shared<VirtualTensor>(std::move(backend), s, u, z);
@@ -173,10 +177,15 @@ PYBIND11_MODULE(_vmm, m) {
 
   bind_allocators(m);
 
-  m.def("host_shm_default_name", &HostBudget::default_name, py::arg("device") = 0,
+  m.def("host_shm_default_name", [](py::object device) {
+    int64_t d = py_int(device, "device");
+    if (d < 0 || d > INT32_MAX) throw_value("device = " + std::to_string(d) + " is not a device index (>= 0).");
+    return HostBudget::default_name(static_cast<int>(d));
+  }, py::arg("device") = 0,
         "The host budget segment a Backend('host', device) opens: KVCACHED_HOST_SHM_NAME or kvcached_host_<uid>_<device>.");
-  m.def("unlink_host_shm", &HostBudget::unlink, py::arg("name"),
-        "Remove the name of a host budget segment (processes that have it open keep sharing it); False if absent.");
+  m.def("unlink_host_shm", &HostBudget::unlink, py::arg("name"), py::call_guard<py::gil_scoped_release>(),
+        "Remove the name of a host budget segment (processes that have it open keep sharing it); False if absent, "
+        "KVCachedStateError (nothing removed) if the file of that name is not a host budget segment.");
 
   m.def("_stop_all_threads", &stop_all_prealloc_threads, py::call_guard<py::gil_scoped_release>());
   // Prealloc threads must be gone before the interpreter (and the drivers) shut down.

@@ -5,6 +5,7 @@
 
 #include "block_pool.h"
 #include "page_allocator.h"
+#include "py_int.h"
 
 namespace py = pybind11;
 
@@ -16,16 +17,17 @@ std::vector<int64_t> int_list(py::handle obj, const char* what) {
   PyObject* seq = PySequence_Fast(obj.ptr(), "");
   if (!seq) {
     PyErr_Clear();
-    throw_value(std::string(what) + " must be a list of ints, got " + std::string(py::str(py::type::of(obj).attr("__name__"))) + ".");
+    throw_value(std::string(what) + " must be a list of ints, got " + py_type_name(obj) + ".");
   }
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   PyObject** items = PySequence_Fast_ITEMS(seq);
   std::vector<int64_t> out(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* it = items[i];
-    if (!PyLong_Check(it)) {
+    if (!PyLong_Check(it) || PyBool_Check(it)) {
       Py_DECREF(seq);
-      throw_value(std::string(what) + "[" + std::to_string(i) + "] is not an int.");
+      throw_value(std::string(what) + "[" + std::to_string(i) + "] is not an int (a " +
+                  py_type_name(it) + "); pass block or page ids as ints.");
     }
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(it, &overflow);
@@ -48,23 +50,28 @@ py::list to_pylist(const std::vector<int64_t>& v) {
 std::vector<RegionSpec> parse_regions(py::handle regions) {
   std::vector<RegionSpec> out;
   size_t i = 0;
+  if (!py::isinstance<py::iterable>(regions)) {
+    throw_value("regions must be a list of (tensor, base, size) or layout.Region, got " + py_type_name(regions) + ".");
+  }
   for (py::handle item : regions) {
     int64_t t, base, size;
     try {
       if (py::hasattr(item, "tensor") && py::hasattr(item, "base") && py::hasattr(item, "size")) {
-        t = item.attr("tensor").cast<int64_t>();
-        base = item.attr("base").cast<int64_t>();
-        size = item.attr("size").cast<int64_t>();
+        t = py_int(item.attr("tensor"), "tensor");
+        base = py_int(item.attr("base"), "base");
+        size = py_int(item.attr("size"), "size");
       } else {
         auto tup = py::reinterpret_borrow<py::sequence>(item);
         if (py::len(tup) != 3) throw py::cast_error();
-        t = tup[0].cast<int64_t>();
-        base = tup[1].cast<int64_t>();
-        size = tup[2].cast<int64_t>();
+        t = py_int(tup[0], "tensor");
+        base = py_int(tup[1], "base");
+        size = py_int(tup[2], "size");
       }
-    } catch (const py::error_already_set&) {
-      throw_value("region " + std::to_string(i) + " must be (tensor, base, size) ints or a layout.Region.");
     } catch (const py::cast_error&) {
+      throw_value("region " + std::to_string(i) + " must be (tensor, base, size) ints or a layout.Region.");
+    } catch (const py::builtin_exception& e) {  // py_int: bool, float, past 64 bits
+      throw_value("region " + std::to_string(i) + ": " + e.what());
+    } catch (const py::error_already_set&) {
       throw_value("region " + std::to_string(i) + " must be (tensor, base, size) ints or a layout.Region.");
     }
     if (base < 0 || size <= 0) {
@@ -82,16 +89,19 @@ std::vector<RegionSpec> parse_regions(py::handle regions) {
 void bind_allocators(py::module_& m) {
   py::class_<PageAllocator, std::shared_ptr<PageAllocator>>(m, "PageAllocator")
       .def(py::init([](std::shared_ptr<Backend> backend, std::vector<std::shared_ptr<VirtualTensor>> tensors,
-                       py::object regions, int64_t num_pages, int64_t min_reserved, int64_t max_reserved,
+                       py::object regions, py::object num_pages, py::object min_reserved, py::object max_reserved,
                        bool prealloc) {
+             int64_t n = py_int(num_pages, "num_pages"), lo = py_int(min_reserved, "min_reserved");
+             int64_t hi = py_int(max_reserved, "max_reserved");
              auto specs = parse_regions(regions);
              py::gil_scoped_release rel;
              return std::make_shared<PageAllocator>(std::move(backend), std::move(tensors), std::move(specs),
-                                                    num_pages, min_reserved, max_reserved, prealloc);
+                                                    n, lo, hi, prealloc);
            }),
            py::arg("backend"), py::arg("tensors"), py::arg("regions"), py::arg("num_pages"),
            py::arg("min_reserved") = 0, py::arg("max_reserved") = 0, py::arg("prealloc") = false)
-      .def("alloc_pages", [](PageAllocator& pa, int64_t n) {
+      .def("alloc_pages", [](PageAllocator& pa, py::object n_obj) {
+        int64_t n = py_int(n_obj, "n");
         std::vector<int64_t> out;
         {
           py::gil_scoped_release rel;
@@ -113,9 +123,17 @@ void bind_allocators(py::module_& m) {
         pa.free_pages(v);
       }, py::arg("ids"))
       .def("trim", &PageAllocator::trim, py::call_guard<py::gil_scoped_release>())
-      .def("set_limit_pages", &PageAllocator::set_limit_pages, py::arg("n"), py::call_guard<py::gil_scoped_release>())
+      .def("set_limit_pages", [](PageAllocator& pa, py::object n_obj) {
+        int64_t n = py_int(n_obj, "n");
+        py::gil_scoped_release rel;
+        return pa.set_limit_pages(n);
+      }, py::arg("n"))
       .def("close", &PageAllocator::close, py::call_guard<py::gil_scoped_release>())
-      .def("is_in_use", &PageAllocator::is_in_use, py::arg("page"), py::call_guard<py::gil_scoped_release>())
+      .def("is_in_use", [](PageAllocator& pa, py::object page) {
+        int64_t p = py_int(page, "page");
+        py::gil_scoped_release rel;
+        return pa.is_in_use(p);
+      }, py::arg("page"))
       .def("refresh_mem_info", &PageAllocator::refresh_mem_info, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("limit_pages", &PageAllocator::limit_pages)
       .def_property_readonly("num_pages", &PageAllocator::num_pages)
@@ -134,17 +152,21 @@ void bind_allocators(py::module_& m) {
       .def("reset_phase_times", &PageAllocator::reset_phase_times, py::call_guard<py::gil_scoped_release>());
 
   py::class_<BlockPool, std::shared_ptr<BlockPool>>(m, "BlockPool")
-      .def(py::init<std::shared_ptr<PageAllocator>, int64_t, int64_t>(), py::arg("page_allocator"),
-           py::arg("blocks_per_page"), py::arg("num_blocks"))
-      .def("alloc", [](BlockPool& bp, int64_t n) -> py::object {
-        auto r = bp.alloc(n);
+      .def(py::init([](std::shared_ptr<PageAllocator> pa, py::object bpp, py::object num_blocks) {
+             return std::make_shared<BlockPool>(std::move(pa), py_int(bpp, "blocks_per_page"),
+                                                py_int(num_blocks, "num_blocks"));
+           }),
+           py::arg("page_allocator"), py::arg("blocks_per_page"), py::arg("num_blocks"))
+      .def("alloc", [](BlockPool& bp, py::handle n) -> py::object {
+        auto r = bp.alloc(py_int(n, "n"));
         if (!r) return py::none();
         return to_pylist(*r);
       }, py::arg("n"))
       .def("free", [](BlockPool& bp, py::handle ids) { bp.free(int_list(ids, "ids")); }, py::arg("ids"))
       .def("available", &BlockPool::available)
       .def("num_allocated", &BlockPool::num_allocated)
-      .def("is_allocated", &BlockPool::is_allocated, py::arg("id"))
+      .def("is_allocated", [](const BlockPool& bp, py::object id) { return bp.is_allocated(py_int(id, "id")); },
+           py::arg("id"))
       .def_property_readonly("blocks_per_page", &BlockPool::blocks_per_page)
       .def_property_readonly("num_blocks", &BlockPool::num_blocks)
       .def_property_readonly("num_held_pages", &BlockPool::num_held_pages)

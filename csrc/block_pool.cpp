@@ -41,7 +41,7 @@ BlockPool::BlockPool(std::shared_ptr<PageAllocator> pa, int64_t blocks_per_page,
     throw_value("blocks_per_page must be in [1, 2^30], got " + std::to_string(blocks_per_page) + ".");
   }
   if (num_blocks <= 0) throw_value("num_blocks must be positive, got " + std::to_string(num_blocks) + ".");
-  pool_pages_ = (num_blocks + bpp_ - 1) / bpp_;
+  pool_pages_ = num_blocks / bpp_ + (num_blocks % bpp_ != 0);  // num_blocks + bpp - 1 could overflow
   if (pool_pages_ > pa_->num_pages()) {
     throw_value(std::to_string(num_blocks) + " blocks at " + std::to_string(bpp_) + " per page need " +
                 std::to_string(pool_pages_) + " pages, but the PageAllocator has " + std::to_string(pa_->num_pages()) +

@@ -3,6 +3,11 @@
 // segment, which the kernel drops when a process dies, so no crash leaves it locked.
 // A slot whose process is gone (kill(pid, 0) says ESRCH, or the pid now belongs to a
 // process started at another time) is freed when the budget would otherwise be short.
+//
+// The name may belong to someone else's file: it is opened without following a symlink,
+// and used (or removed by unlink) only if it is a regular file of the segment's size with
+// its magic. A new segment is written under a temporary name and link()ed into place, so
+// an existing file is never replaced and no process ever sees a half-made segment.
 #include "host_budget.h"
 
 #include <fcntl.h>
@@ -12,7 +17,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <chrono>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -84,16 +91,108 @@ bool slot_alive(const BudgetSlot& s, uint64_t ns) {
   return !(st && s.start_time && st != s.start_time);  // same pid, another process
 }
 
+constexpr const char* kShmDir = "/dev/shm";
+
+// "/name" for a name that can only mean /dev/shm/name (one leading '/' is the POSIX shm form).
 std::string check_name(const std::string& raw) {
   std::string n = raw;
   if (!n.empty() && n[0] == '/') n.erase(0, 1);
   bool ok = !n.empty() && n.size() <= 200;
   for (char c : n) ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.');
-  if (!ok || n == "." || n == "..") {
+  if (!ok || n == "." || n.find("..") != std::string::npos) {
     throw_value("host budget segment name '" + raw + "' is not valid; use 1-200 characters from A-Z a-z 0-9 _ - . "
-                "(KVCACHED_HOST_SHM_NAME).");
+                "without '..' (a file name in /dev/shm, not a path) (KVCACHED_HOST_SHM_NAME).");
   }
   return "/" + n;
+}
+
+[[noreturn]] void throw_foreign(const std::string& path, const std::string& why) {
+  throw_state(path + " " + why + "; kvcached does not write or remove files it did not make: set "
+              "KVCACHED_HOST_SHM_NAME to another name, or remove the file if nothing uses it.");
+}
+
+// The descriptor of the regular file at path, or -1 if there is none.
+int open_existing(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    int err = errno;
+    if (err == ENOENT) return -1;
+    if (err == ELOOP) throw_foreign(path, "is a symbolic link, not a kvcached host budget segment");
+    if (err == EISDIR) throw_foreign(path, "is a directory, not a kvcached host budget segment");
+    throw Error(ErrKind::Driver, sys_error("open(" + path + ")", err) +
+                                     "; the host backend shares its budget through /dev/shm: check that /dev/shm is "
+                                     "mounted and writable, or set KVCACHED_HOST_SHM_NAME to a segment you own.");
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw_foreign(path, "is not a regular file, so not a kvcached host budget segment");
+  }
+  return fd;
+}
+
+// Size and magic of the file behind fd (flock held); throws, naming what is wrong, if it is
+// not a budget segment. With `layout`, another version's segment is refused too.
+void check_segment(int fd, const std::string& path, bool layout) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) throw Error(ErrKind::Driver, sys_error("fstat(" + path + ")", errno));
+  if (static_cast<size_t>(st.st_size) != sizeof(BudgetSegment)) {
+    throw_foreign(path, "has " + std::to_string(st.st_size) + " B, not the " + std::to_string(sizeof(BudgetSegment)) +
+                            " B of this kvcached version's host budget segment");
+  }
+  BudgetSegment head;
+  size_t head_bytes = offsetof(BudgetSegment, slots);
+  if (pread(fd, &head, head_bytes, 0) != static_cast<ssize_t>(head_bytes) || head.magic != kMagic) {
+    throw_foreign(path, "is not a kvcached host budget segment (no KVVCBUG1 magic)");
+  }
+  if (layout && (head.version != kVersion || head.num_slots != kSlots)) {
+    throw_foreign(path, "is a host budget segment of another layout (another kvcached version?), not the one "
+                        "this kvcached reads");
+  }
+}
+
+// Makes a fresh segment at path; false if a file took the name first.
+bool create_segment(const std::string& path) {
+  static std::atomic<uint64_t> counter{0};
+  auto seg = std::make_unique<BudgetSegment>();
+  std::memset(seg.get(), 0, sizeof(BudgetSegment));
+  seg->magic = kMagic;
+  seg->version = kVersion;
+  seg->num_slots = kSlots;
+  seg->budget = physical_ram();
+  std::string dir = kShmDir;
+  std::string base = path.substr(dir.size() + 1);
+  for (int attempt = 0;; ++attempt) {
+    uint64_t salt = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+                    (counter.fetch_add(1) << 40);
+    std::string tmp = dir + "/." + base + "." + std::to_string(getpid()) + "." + std::to_string(salt);
+    int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      if (errno == EEXIST && attempt < 8) continue;
+      throw Error(ErrKind::Driver, sys_error("open(" + tmp + ")", errno) +
+                                       "; the host backend shares its budget through /dev/shm: check that /dev/shm "
+                                       "is mounted and writable.");
+    }
+    const char* p = reinterpret_cast<const char*>(seg.get());
+    size_t done = 0;
+    int err = 0;
+    while (done < sizeof(BudgetSegment)) {
+      ssize_t w = pwrite(fd, p + done, sizeof(BudgetSegment) - done, static_cast<off_t>(done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        err = w < 0 ? errno : EIO;
+        break;
+      }
+      done += static_cast<size_t>(w);
+    }
+    int rc = err ? -1 : ::link(tmp.c_str(), path.c_str());
+    if (!err && rc != 0) err = errno;
+    ::unlink(tmp.c_str());
+    ::close(fd);
+    if (rc == 0) return true;
+    if (err == EEXIST) return false;
+    throw Error(ErrKind::Driver, sys_error("creating " + path, err));
+  }
 }
 
 std::mutex g_registry_mu;
@@ -133,7 +232,25 @@ std::string HostBudget::default_name(int device) {
   return "kvcached_host_" + std::to_string(getuid()) + "_" + std::to_string(device);
 }
 
-bool HostBudget::unlink(const std::string& name) { return shm_unlink(check_name(name).c_str()) == 0; }
+bool HostBudget::unlink(const std::string& name) {
+  std::string path = kShmDir + check_name(name);
+  int fd = open_existing(path);
+  if (fd < 0) return false;
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  check_segment(fd, path, false);  // first unlocked: never wait on the lock of someone else's file
+  while (flock(fd, LOCK_EX) != 0) {
+    if (errno != EINTR) throw Error(ErrKind::Driver, sys_error("flock(" + path + ")", errno));
+  }
+  check_segment(fd, path, false);  // a segment of another version is still ours to remove
+  // Remove the name only while it still names the file just checked.
+  struct stat now, mine;
+  if (lstat(path.c_str(), &now) != 0 || fstat(fd, &mine) != 0) return false;
+  if (now.st_dev != mine.st_dev || now.st_ino != mine.st_ino) return false;
+  return ::unlink(path.c_str()) == 0;
+}
 
 std::shared_ptr<HostBudget> HostBudget::open(const std::string& raw_name, size_t limit) {
   std::string name = check_name(raw_name);
@@ -146,44 +263,36 @@ std::shared_ptr<HostBudget> HostBudget::open(const std::string& raw_name, size_t
     }
     g_registry.erase(it);
   }
-  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    int err = errno;
-    throw Error(ErrKind::Driver, sys_error("shm_open(" + name + ")", err) +
-                                     "; the host backend shares its budget through /dev/shm: check that /dev/shm is "
-                                     "mounted and writable, or set KVCACHED_HOST_SHM_NAME to a segment you own.");
+  std::string path = kShmDir + name;
+  int fd = -1;
+  // The file may vanish between a failed create and the open (another process unlinked it).
+  for (int attempt = 0; fd < 0; ++attempt) {
+    fd = open_existing(path);
+    if (fd >= 0) break;
+    if (attempt == 8) throw Error(ErrKind::Driver, path + " kept disappearing while it was being opened; retry.");
+    create_segment(path);
   }
   auto fail = [&](const std::string& msg, ErrKind kind = ErrKind::Driver) {
     flock(fd, LOCK_UN);
     ::close(fd);
     throw Error(kind, msg);
   };
+  try {
+    check_segment(fd, path, true);  // first unlocked: never wait on the lock of someone else's file
+  } catch (const Error& e) {
+    fail(e.what(), e.kind);
+  }
   while (flock(fd, LOCK_EX) != 0) {
     if (errno != EINTR) fail(sys_error("flock(" + name + ")", errno));
   }
-  struct stat st;
-  if (fstat(fd, &st) != 0) fail(sys_error("fstat(" + name + ")", errno));
-  bool fresh = st.st_size == 0;
-  if (fresh && ftruncate(fd, sizeof(BudgetSegment)) != 0) fail(sys_error("ftruncate(" + name + ")", errno));
-  if (!fresh && static_cast<size_t>(st.st_size) != sizeof(BudgetSegment)) {
-    fail("host budget segment /dev/shm" + name + " has " + std::to_string(st.st_size) + " B, not the " +
-         std::to_string(sizeof(BudgetSegment)) + " B of this kvcached version; stop the processes using it and "
-         "remove it, or set KVCACHED_HOST_SHM_NAME to another name.");
+  try {
+    check_segment(fd, path, true);
+  } catch (const Error& e) {
+    fail(e.what(), e.kind);
   }
   void* p = mmap(nullptr, sizeof(BudgetSegment), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) fail(sys_error("mmap(" + name + ")", errno));
   auto* seg = static_cast<BudgetSegment*>(p);
-  if (seg->magic == 0) {  // new, or its creator died before writing the header
-    std::memset(seg, 0, sizeof(BudgetSegment));
-    seg->version = kVersion;
-    seg->num_slots = kSlots;
-    seg->budget = physical_ram();
-    seg->magic = kMagic;
-  } else if (seg->magic != kMagic || seg->version != kVersion || seg->num_slots != kSlots) {
-    munmap(p, sizeof(BudgetSegment));
-    fail("host budget segment /dev/shm" + name + " has another layout (another kvcached version?); stop the "
-         "processes using it and remove it, or set KVCACHED_HOST_SHM_NAME to another name.");
-  }
   flock(fd, LOCK_UN);
   std::shared_ptr<HostBudget> b(new HostBudget(name, fd, seg));
   {

@@ -15,12 +15,14 @@ struct BudgetSegment;  // the layout in /dev/shm (host_budget.cpp)
 
 class HostBudget {
  public:
-  // Opens (creating if needed) the segment `name` and takes a slot for this process.
+  // Opens (creating if needed) the segment `name` and takes a slot for this process; refuses,
+  // never touching it, a file of that name that is not a budget segment of this version.
   // limit > 0 becomes the budget; 0 keeps the segment's budget (physical RAM when new).
   static std::shared_ptr<HostBudget> open(const std::string& name, size_t limit);
   // KVCACHED_HOST_SHM_NAME, else "kvcached_host_<uid>_<device>".
   static std::string default_name(int device);
-  // Removes the segment's name (processes that have it open keep using it).
+  // Removes the segment's name (processes that have it open keep using it); false if there is
+  // none. Throws, removing nothing, if the file of that name is not a budget segment.
   static bool unlink(const std::string& name);
 
   ~HostBudget();

@@ -71,11 +71,13 @@ PageAllocator::PageAllocator(std::shared_ptr<Backend> backend, std::vector<std::
       throw_value(name + ": base and size must be multiples of the tensor's unit (" + std::to_string(t.unit()) +
                   " B) and size positive.");
     }
-    size_t end = r.base + static_cast<size_t>(num_pages) * r.size;
-    if (end > t.size()) {
-      throw_value(name + ": " + std::to_string(num_pages) + " pages end at byte " + std::to_string(end) +
-                  ", past the tensor's " + std::to_string(t.size()) + " B.");
+    // Divide instead of multiplying: base + num_pages * size can wrap around 2^64.
+    if (r.base > t.size() || static_cast<size_t>(num_pages) > (t.size() - r.base) / r.size) {
+      throw_value(name + ": " + std::to_string(num_pages) + " pages of " + std::to_string(r.size) +
+                  " B from byte " + std::to_string(r.base) + " reach past the tensor's " +
+                  std::to_string(t.size()) + " B; lower num_pages or make the tensor larger.");
     }
+    size_t end = r.base + static_cast<size_t>(num_pages) * r.size;
     spans[r.tensor].emplace_back(r.base, end);
     page_bytes_ += r.size;
   }
@@ -281,11 +283,16 @@ std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
   if (n == 0) return out;
   int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
   int64_t limit = limit_.load();
-  if (in_use + n > limit) {
-    throw Error(ErrKind::OutOfMemory, "alloc_pages(" + std::to_string(n) + "): " + std::to_string(in_use) +
-                                          " pages in use and the limit is " + std::to_string(limit) +
-                                          " (of " + std::to_string(num_pages_) +
-                                          "); free pages or raise the limit (set_limit_pages / kvctl limit).");
+  // Compare n with what is left, never in_use + n: n may be near INT64_MAX. The limit may
+  // exceed num_pages, so the pages themselves bound it too (else the loop below runs off free_).
+  int64_t left = std::max<int64_t>(0, std::min(limit, num_pages_) - in_use);
+  if (n > left) {
+    throw Error(ErrKind::OutOfMemory, "alloc_pages(" + std::to_string(n) + "): only " + std::to_string(left) +
+                                          " pages can be handed out (" + std::to_string(in_use) +
+                                          " in use, the limit is " + std::to_string(limit) + ", " +
+                                          std::to_string(num_pages_) +
+                                          " pages in all); free pages or raise the limit (set_limit_pages / kvctl "
+                                          "limit).");
   }
   int64_t from_res = std::min<int64_t>(n, static_cast<int64_t>(reserved_.size()));
   std::vector<int64_t> fresh;
@@ -326,7 +333,7 @@ void PageAllocator::map_pages(const std::vector<int64_t>& ids) {
   if (ids.empty()) return;
   int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
   int64_t n = static_cast<int64_t>(ids.size()), limit = limit_.load();
-  if (in_use + n > limit) {
+  if (n > limit - in_use) {
     throw Error(ErrKind::OutOfMemory, "map_pages(" + std::to_string(n) + " pages): " + std::to_string(in_use) +
                                           " pages in use and the limit is " + std::to_string(limit) + " (of " +
                                           std::to_string(num_pages_) +
@@ -361,9 +368,9 @@ void PageAllocator::take_reserved_locked(int64_t n, std::vector<int64_t>& out) {
 
 bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
-  if (!lk.owns_lock() || closed_.load() || static_cast<int64_t>(reserved_.size()) < n) return false;
+  if (n <= 0 || !lk.owns_lock() || closed_.load() || static_cast<int64_t>(reserved_.size()) < n) return false;
   int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
-  if (in_use + n > limit_.load()) return false;
+  if (n > limit_.load() - in_use) return false;
   take_reserved_locked(n, out);
   publish_locked();
   if (thread_.joinable() && static_cast<int64_t>(reserved_.size()) < min_reserved_) cv_.notify_one();

@@ -14,6 +14,10 @@ from kvcached.errors import KVCachedConfigError
 
 MiB = 1 << 20
 BASE_PAGE = 2 * MiB  # every backend's mapping granularity divides this
+# Upper bounds that keep byte counts far inside the native core's 64-bit sizes.
+MAX_PAGE_SIZE_MB = 1024
+MAX_HOST_MEM_LIMIT_MB = 1 << 26  # 64 TiB
+MAX_RESERVED_PAGES = 1 << 20
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -40,7 +44,7 @@ def env_bool(name: str, default: bool | None) -> bool | None:
     )
 
 
-def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
     value = _raw(name)
     if value is None:
         return default
@@ -50,6 +54,8 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
         raise KVCachedConfigError(f"{name}={value!r} is not an integer.") from None
     if minimum is not None and parsed < minimum:
         raise KVCachedConfigError(f"{name}={parsed} must be at least {minimum}.")
+    if maximum is not None and parsed > maximum:
+        raise KVCachedConfigError(f"{name}={parsed} must be at most {maximum}.")
     return parsed
 
 
@@ -68,7 +74,7 @@ def env_float(name: str, default: float, *, low: float, high: float) -> float:
 
 def page_size() -> int:
     """Bytes of one page of one layer's K (or V): ``KVCACHED_PAGE_SIZE_MB``, default 2."""
-    mb = env_int("KVCACHED_PAGE_SIZE_MB", 2, minimum=1)
+    mb = env_int("KVCACHED_PAGE_SIZE_MB", 2, minimum=1, maximum=MAX_PAGE_SIZE_MB)
     if (mb * MiB) % BASE_PAGE:
         raise KVCachedConfigError(
             f"KVCACHED_PAGE_SIZE_MB={mb} must be a multiple of 2 (MiB): GPU drivers map "
@@ -103,8 +109,8 @@ class ReserveConfig:
 
 
 def reserve_config() -> ReserveConfig:
-    lo = env_int("KVCACHED_MIN_RESERVED_PAGES", 5, minimum=0)
-    hi = env_int("KVCACHED_MAX_RESERVED_PAGES", 10, minimum=0)
+    lo = env_int("KVCACHED_MIN_RESERVED_PAGES", 5, minimum=0, maximum=MAX_RESERVED_PAGES)
+    hi = env_int("KVCACHED_MAX_RESERVED_PAGES", 10, minimum=0, maximum=MAX_RESERVED_PAGES)
     if lo > hi:
         raise KVCachedConfigError(
             f"KVCACHED_MIN_RESERVED_PAGES={lo} exceeds KVCACHED_MAX_RESERVED_PAGES={hi}; "
@@ -116,7 +122,7 @@ def reserve_config() -> ReserveConfig:
 
 def host_memory_limit() -> int:
     """Physical budget of the host backend, ``KVCACHED_HOST_MEM_LIMIT_MB`` (default 4096)."""
-    return env_int("KVCACHED_HOST_MEM_LIMIT_MB", 4096, minimum=1) * MiB
+    return env_int("KVCACHED_HOST_MEM_LIMIT_MB", 4096, minimum=1, maximum=MAX_HOST_MEM_LIMIT_MB) * MiB
 
 
 def host_shm_name() -> str | None:
@@ -140,6 +146,12 @@ def max_cached_tokens() -> int:
 
 def sanity_check() -> bool:
     return bool(env_bool("KVCACHED_SANITY_CHECK", False))
+
+
+def kernel_checks() -> bool:
+    """``KVCACHED_KERNEL_CHECKS``: the kernels check block ids, lengths, offsets, slots and
+    fp8 scales on the device before each launch (one host sync per call; a debug mode)."""
+    return bool(env_bool("KVCACHED_KERNEL_CHECKS", False))
 
 
 def log_level() -> str:

@@ -84,12 +84,17 @@ class DeferredFree:
                 return
 
     def flush(self) -> None:
-        """Wait for every recorded event, release everything and stop the waiter (shutdown, not the hot path)."""
+        """Wait for every recorded event and release everything (not for the hot path)."""
         with self._cv:
-            self._closed = True
-            self._cv.notify_all()
             while self._queue:
                 event, ids = self._queue.popleft()
                 event.synchronize()
                 self._pending.difference_update(ids)
                 self._release(ids)
+
+    def close(self) -> None:
+        """:meth:`flush`, then stop the waiter thread."""
+        self.flush()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()

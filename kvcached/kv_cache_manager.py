@@ -3,7 +3,9 @@
 A thin layer over the native ``BlockPool`` (blocks within pages) and
 ``PageAllocator`` (pages mapped under the virtual KV tensors): the fast path
 (``alloc``/``free``/``available_size``) is one native call, with no Python loop
-over blocks and no lock unless the engine schedules asynchronously.
+over blocks and no Python lock: the native pool has its own. Blocks held by
+``try_to_reserve`` and the first bind to the KV tensors are Python state, guarded
+by locks of their own, so the default manager is safe to call from several threads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +49,8 @@ class KVCacheManager:
         cell_size: bytes of one token of one layer's K (or V).
         num_layers: layers sharing each block id.
         world_size: tensor-parallel size (only 1 is supported).
-        async_sched: the engine calls from several threads: every call takes a lock.
+        async_sched: every call takes one lock, so calls never interleave (the default is
+            thread-safe too, but lets a plain alloc/free run beside other calls).
         reserve_null_block: block 0 is taken at start and never handed out (SGLang, vLLM padding).
         num_kv_buffers: 2 for K and V, 1 for MLA or a unified pool.
         group_id: which ``create_kv_tensors`` group the blocks live in.
@@ -71,12 +74,14 @@ class KVCacheManager:
                 raise KVCachedConfigError(f"KVCacheManager: {name} must be a positive int, got {value!r}.")
         if tp_size is not None:
             world_size = tp_size
-        if world_size != 1:
+        if isinstance(world_size, bool) or world_size != 1:
             raise KVCachedConfigError(
                 f"KVCacheManager: tensor parallelism (world_size={world_size}) is not supported yet; use 1."
             )
-        if num_kv_buffers not in (1, 2):
+        if isinstance(num_kv_buffers, bool) or num_kv_buffers not in (1, 2):
             raise KVCachedConfigError(f"num_kv_buffers must be 1 or 2, got {num_kv_buffers!r}.")
+        if not isinstance(group_id, int) or isinstance(group_id, bool) or group_id < 0:
+            raise KVCachedConfigError(f"KVCacheManager: group_id must be an int >= 0, got {group_id!r}.")
         rt = vmm_ops.runtime()
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -102,6 +107,11 @@ class KVCacheManager:
         self._util = config.gpu_utilization()
 
         self._reserved: list[int] = []
+        # Guards every read-then-change of _reserved: alloc takes from it after a native call
+        # that may drop the GIL, so another thread could take or free the same blocks meanwhile.
+        self._reserved_lock = threading.Lock()
+        # One thread binds; the others wait, then see _pool set only once the null block is taken.
+        self._bind_lock = threading.Lock()
         self._limits: dict[str, int] = {}
         self._limit_lock = threading.Lock()
         self._pool: Any = None
@@ -123,10 +133,14 @@ class KVCacheManager:
 
     # -- binding to the KV tensors ----------------------------------------
     def _bind(self) -> Any:
-        if self._closed:
-            raise KVCachedStateError(f"KVCacheManager {self.pool_name} is closed; create a new one.")
-        if self._pool is not None:
-            return self._pool
+        with self._bind_lock:
+            if self._closed:
+                raise KVCachedStateError(f"KVCacheManager {self.pool_name} is closed; create a new one.")
+            if self._pool is not None:
+                return self._pool
+            return self._bind_locked()
+
+    def _bind_locked(self) -> Any:
         deadline = time.monotonic() + KV_TENSOR_WAIT_TIMEOUT
         while not vmm_ops.kv_tensors_created(self.group_id):
             if vmm_ops._runtime is not self._runtime:
@@ -137,6 +151,9 @@ class KVCacheManager:
                     "call create_kv_tensors (or alloc_kv_cache) before using the KVCacheManager."
                 )
             time.sleep(0.001)
+        from kvcached import mem_info
+
+        mem_info.start_publisher()  # a KVCACHED_IPC_NAME it may not use fails before anything is bound
         with vmm_ops._lock:
             group = vmm_ops.get_group(self.group_id)
             geom = group.geometry
@@ -164,19 +181,19 @@ class KVCacheManager:
             group.allocator = allocator
             group.owner = weakref.ref(self)
             self._allocator = allocator
-            self._pool = vmm_ops.BlockPool(allocator, self.blocks_per_page, self.num_blocks)
+            pool = vmm_ops.BlockPool(allocator, self.blocks_per_page, self.num_blocks)
         total = int(self._runtime.backend.mem_info()[1])
         self.device_total = total
         self._set_limit("utilization", int(self._util * total) // self.page_group_bytes)
         if self.reserve_null_block:
-            null = self._pool.alloc(1)
+            null = pool.alloc(1)
             if null != [0]:
                 raise KVCachedStateError(f"could not reserve block 0 as the null block (got {null}).")
             self.null_block = null
-        from kvcached import mem_info
-
         mem_info.register(self)
-        return self._pool
+        # Last: the lock-free fast path (self._pool or self._bind()) may use the pool from here on.
+        self._pool = pool
+        return pool
 
     @property
     def page_allocator(self) -> Any:
@@ -215,23 +232,24 @@ class KVCacheManager:
             raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.") from None
 
     def _alloc_with_reserved(self, pool: Any, need_size: int) -> list[int] | None:
-        if not isinstance(need_size, int):
+        if not isinstance(need_size, int) or isinstance(need_size, bool):
             raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.")
         if need_size < 0:
             raise ValueError(f"alloc: need_size must be an int >= 0, got {need_size!r}.")
-        taken = min(need_size, len(self._reserved))
-        rest = need_size - taken
-        extra: list[int] = []
-        if rest:
-            got = pool.alloc(rest)
-            if got is None:
-                return None
-            extra = got
-        out = self._reserved[:taken]
-        del self._reserved[:taken]
+        with self._reserved_lock:
+            taken = min(need_size, len(self._reserved))
+            rest = need_size - taken
+            extra: list[int] = []
+            if rest:
+                got = pool.alloc(rest)
+                if got is None:
+                    return None
+                extra = got
+            out = self._reserved[:taken]
+            del self._reserved[:taken]
         return out + extra
 
-    def free(self, indices: Sequence[int]) -> None:
+    def free(self, indices: Iterable[int]) -> None:
         """Give blocks back; ValueError (nothing freed) for an unknown, reserved or already free id.
 
         With deferred freeing the blocks return to the pool once the device work launched
@@ -239,7 +257,7 @@ class KVCacheManager:
         """
         pool = self._pool or self._bind()
         if self._reserved or self.null_block is not None:
-            self._check_freeable(indices)
+            indices = self._check_freeable(indices)
         if self._deferred is None:
             pool.free(indices)
             return
@@ -262,17 +280,24 @@ class KVCacheManager:
         """Blocks freed but held until the device work that may read them has run."""
         return 0 if self._deferred is None else len(self._deferred)
 
-    def _check_freeable(self, indices: Sequence[int]) -> None:
-        if not hasattr(indices, "__iter__"):
-            raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
+    def _check_freeable(self, indices: Iterable[int]) -> list[int] | tuple[int, ...]:
+        """The ids, read once: an iterator checked here would reach the pool empty."""
+        if not isinstance(indices, (list, tuple)):
+            if not hasattr(indices, "__iter__"):
+                raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
+            indices = list(indices)
         if self.null_block is not None and 0 in indices:
             raise ValueError("block 0 is the null block reserved for padding; it cannot be freed.")
         if self._reserved:
-            held = set(self._reserved).intersection(indices)
+            try:
+                held = set(self._reserved).intersection(indices)
+            except TypeError:  # an unhashable id: pool.free names it
+                held = set()
             if held:
                 raise ValueError(
                     f"blocks {sorted(held)[:8]} are held by try_to_reserve(); release them with free_reserved()."
                 )
+        return indices
 
     def try_to_reserve(self, need_size: int) -> bool:
         """Take ``need_size`` more blocks now for a later :meth:`alloc`; False (nothing taken) if not possible."""
@@ -284,14 +309,16 @@ class KVCacheManager:
         got = pool.alloc(need_size)
         if got is None:
             return False
-        self._reserved.extend(got)
+        with self._reserved_lock:
+            self._reserved.extend(got)
         return True
 
     def free_reserved(self) -> None:
         """Give back every block held by :meth:`try_to_reserve`."""
         pool = self._pool or self._bind()
-        if self._reserved:
+        with self._reserved_lock:
             held, self._reserved = self._reserved, []
+        if held:
             pool.free(held)
 
     def trim(self) -> None:
@@ -340,7 +367,8 @@ class KVCacheManager:
         pool = self._pool or self._bind()
         if self._deferred is not None:
             self._deferred.flush()
-        self._reserved = []
+        with self._reserved_lock:
+            self._reserved = []
         if pool.num_allocated() == 0:
             return
         keep = 0 if self.null_block is not None else -1
@@ -361,7 +389,7 @@ class KVCacheManager:
         mem_info.unregister(self)
         if self._deferred is not None:
             try:
-                self._deferred.flush()  # unmapping below must not pull pages from under running kernels
+                self._deferred.close()  # unmapping below must not pull pages from under running kernels
             except Exception as exc:  # a broken device context: unmap anyway, nothing can read it now
                 logger.warning("%s: waiting for the device before unmapping failed: %s", self.pool_name, exc)
         if self._allocator is not None:

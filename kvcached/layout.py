@@ -88,7 +88,7 @@ class KVSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise KVCachedConfigError(f"{name} must be a positive int, got {value!r}.")
-        if self.kv_factor not in (1, 2):
+        if isinstance(self.kv_factor, bool) or self.kv_factor not in (1, 2):
             raise KVCachedConfigError(f"kv_factor must be 1 or 2, got {self.kv_factor!r}.")
         if self.dtype not in SUPPORTED_DTYPES:
             names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)

@@ -22,18 +22,21 @@ class _ColorFormatter(logging.Formatter):
 
 
 def get_kvcached_logger(name: str = "kvcached") -> logging.Logger:
-    """A logger with one stderr handler, level from ``KVCACHED_LOG_LEVEL``."""
+    """A logger with one stderr handler, level from ``KVCACHED_LOG_LEVEL``.
+
+    The first call (at import of the modules that log) raises KVCachedConfigError
+    for a bad ``KVCACHED_LOG_LEVEL``, as every other variable does, instead of
+    logging at a level the user did not ask for.
+    """
     logger = logging.getLogger(name)
     if not logger.handlers:
+        level = config.log_level()
         handler = logging.StreamHandler()
         fmt = f"[{name}][%(levelname)s][%(asctime)s][%(filename)s:%(lineno)d] %(message)s"
         use_color = handler.stream.isatty() and os.environ.get("NO_COLOR") is None
         cls = _ColorFormatter if use_color else logging.Formatter
         handler.setFormatter(cls(fmt, datefmt="%Y-%m-%d %H:%M:%S"))
         logger.addHandler(handler)
-        try:
-            logger.setLevel(config.log_level())
-        except Exception:  # a bad KVCACHED_LOG_LEVEL must not break logging itself
-            logger.setLevel(logging.INFO)
+        logger.setLevel(level)
         logger.propagate = False
     return logger

@@ -8,6 +8,13 @@ sequence counter to odd before and to even after writing; readers take no lock
 and retry until they see the same even counter before and after reading, so a
 read is never torn.
 
+Only files inside ``SHM_DIR`` are ever touched, named by a plain file name (no path,
+no ``..``), opened without following a symlink, and only once they prove to be
+kvcached segments (a regular file of ``SEGMENT_BYTES`` starting with ``MAGIC``): a
+file of the same name that belongs to someone else is never written, truncated or
+removed. A new segment is written under a temporary name and linked into place, so
+no one ever sees a half-made one.
+
 In the engine a daemon thread publishes usage every ``PERIOD`` seconds and applies
 a new limit at once: the pool shrinks to it (never below what is in use; the rest
 follows as blocks are freed) or grows back.
@@ -16,9 +23,11 @@ follows as blocks are freed) or grows back.
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import mmap
 import os
+import stat
 import struct
 import sys
 import threading
@@ -80,12 +89,82 @@ class MemInfo:
         return d
 
 
-def segment_path(name: str) -> str:
-    if name.startswith("/"):
+def check_name(name: str) -> str:
+    """``name`` if it names a file directly inside SHM_DIR, else ValueError saying why."""
+    if not isinstance(name, str):
+        raise ValueError(f"segment name must be a str, got {type(name).__name__}.")
+    if not name:
+        problem = "is empty"
+    elif "\0" in name:
+        problem = "holds a NUL byte"
+    elif "/" in name:
+        problem = "is a path, not a name"
+    elif ".." in name or name == ".":
+        problem = "holds '..' or is '.'"
+    elif len(os.fsencode(name)) > 255:
+        problem = "is longer than 255 bytes"
+    else:
         return name
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"bad IPC name {name!r}; use a plain name such as kvcached_proc_1234.")
-    return os.path.join(SHM_DIR, name)
+    hint = ""
+    if "/" in name and "\0" not in name and os.path.basename(name):
+        hint = f" (for {os.path.join(SHM_DIR, os.path.basename(name))} pass {os.path.basename(name)!r})"
+    raise ValueError(f"segment name {name!r} {problem}; use the name of a file in {SHM_DIR} as `kvctl list` "
+                     f"shows it, e.g. kvcached_proc_1234, not a path{hint}.")
+
+
+def segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, check_name(name))
+
+
+def _open_segment(path: str, flags: int) -> int:
+    """A descriptor of the kvcached segment at path: never through a symlink, never a FIFO's
+    blocking open, and ValueError (the file untouched) for anything but a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symbolic link, not a kvcached segment.") from None
+        if exc.errno == errno.EISDIR:
+            raise ValueError(f"{path} is a directory, not a kvcached segment.") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file, so not a kvcached segment.")
+    return fd
+
+
+def _check_segment(path: str, fd: int) -> None:
+    """ValueError unless fd holds a kvcached segment (its size and magic)."""
+    size = os.fstat(fd).st_size
+    if size != SEGMENT_BYTES:
+        raise ValueError(f"{path} has {size} B, not the {SEGMENT_BYTES} B of a kvcached segment, so it is "
+                         "not a kvcached segment.")
+    magic = os.pread(fd, len(MAGIC), 0)
+    if magic != MAGIC:
+        raise ValueError(f"{path} is not a kvcached segment (bad magic {magic!r}).")
+
+
+def _create_segment(path: str) -> bool:
+    """Create a fresh segment at path (limit NO_LIMIT, pid 0); False if a file is there already.
+
+    Written under a temporary name and linked into place: link never replaces a file, and
+    no reader can find the segment before its header is written.
+    """
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(6).hex()}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        buf = bytearray(SEGMENT_BYTES)
+        _HEADER.pack_into(buf, 0, MAGIC, VERSION, 0)
+        struct.pack_into("<q", buf, _LIMIT_OFF, NO_LIMIT)
+        os.write(fd, bytes(buf))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
 
 
 def pid_alive(pid: int) -> bool:
@@ -125,25 +204,32 @@ def _read_consistent(name: str, mm: Any) -> MemInfo:
 
 def read_segment(name: str) -> MemInfo:
     """Read one segment; FileNotFoundError if absent, ValueError if it is not ours."""
-    with open(segment_path(name), "rb") as f:
-        if os.fstat(f.fileno()).st_size < _BODY_OFF + _BODY.size:
-            raise ValueError(f"{segment_path(name)} is too small to be a kvcached segment.")
-        with mmap.mmap(f.fileno(), _BODY_OFF + _BODY.size, access=mmap.ACCESS_READ) as mm:
+    path = segment_path(name)
+    fd = _open_segment(path, os.O_RDONLY)
+    try:
+        _check_segment(path, fd)
+        with mmap.mmap(fd, SEGMENT_BYTES, access=mmap.ACCESS_READ) as mm:
             return _read_consistent(name, mm)
+    finally:
+        os.close(fd)
 
 
 class _Writer:
-    """Open segment with flock(LOCK_EX) held; ``write(offset, fmt, *values)`` under the counter."""
+    """Open segment with flock(LOCK_EX) held; ``write(offset, fmt, *values)`` under the counter.
 
-    def __init__(self, path: str, create: bool) -> None:
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        self.fd = os.open(path, flags, 0o666)
+    ``create``: make a fresh segment if none is there. A file that is not a kvcached
+    segment raises ValueError before anything is written.
+    """
+
+    def __init__(self, path: str, create: bool = False) -> None:
+        if create:
+            _create_segment(path)
+        self.path = path
+        self.fd = _open_segment(path, os.O_RDWR)
         try:
+            _check_segment(path, self.fd)  # first unlocked: never wait on the lock of someone else's file
             fcntl.flock(self.fd, fcntl.LOCK_EX)
-            if os.fstat(self.fd).st_size < SEGMENT_BYTES:
-                if not create:
-                    raise ValueError(f"{path} is too small to be a kvcached segment.")
-                os.ftruncate(self.fd, SEGMENT_BYTES)
+            _check_segment(path, self.fd)
             self.mm = mmap.mmap(self.fd, SEGMENT_BYTES)
         except BaseException:
             os.close(self.fd)
@@ -156,6 +242,16 @@ class _Writer:
         self.mm.close()
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+    def unlink(self) -> None:
+        """Remove the name, if it still names this very file (not one put there since)."""
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        mine = os.fstat(self.fd)
+        if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            os.unlink(self.path)
 
     def write(self, items: list[tuple[int, str, tuple[Any, ...]]]) -> None:
         (seq,) = struct.unpack_from("<Q", self.mm, _SEQ_OFF)
@@ -178,8 +274,11 @@ def write_limit(name: str, limit_bytes: int) -> MemInfo:
 
 
 def delete_segment(name: str) -> bool:
+    """Remove the segment ``name``; False if there is none. ValueError (nothing removed) for a
+    file of that name that is not a kvcached segment."""
     try:
-        os.unlink(segment_path(name))
+        with _Writer(segment_path(name)) as w:
+            w.unlink()
         return True
     except FileNotFoundError:
         return False
@@ -223,8 +322,10 @@ def _engine_tag() -> str:
 def _segment_owned_by_other_live_process(name: str) -> bool:
     try:
         info = read_segment(name)
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
         return False
+    except ValueError:  # someone else's file (or another kvcached version's): not ours to take
+        return True
     return info.pid != os.getpid() and pid_alive(info.pid)
 
 
@@ -268,17 +369,21 @@ class Publisher:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         try:
-            old = read_segment(name)
-        except (FileNotFoundError, ValueError, TimeoutError):
-            old = None
-        if old is not None and old.pid != os.getpid() and pid_alive(old.pid):
+            with _Writer(self.path, create=True) as w:
+                old = _unpack(name, w.mm)  # under the lock: a dead owner is replaced by one process only
+                if old.pid != os.getpid() and pid_alive(old.pid):
+                    raise KVCachedStateError(
+                        f"segment {self.path} belongs to the live process {old.pid}; set KVCACHED_IPC_NAME to a "
+                        "unique name for this engine."
+                    )
+                w.write([(_BODY_OFF, _BODY.format,
+                          (NO_LIMIT, 0, 0, 0, 0, os.getpid(), time.time_ns(), 0, b"", b""))])
+        except (ValueError, OSError) as exc:
             raise KVCachedStateError(
-                f"segment {self.path} belongs to the live process {old.pid}; set KVCACHED_IPC_NAME to a "
-                "unique name for this engine."
-            )
-        with _Writer(self.path, create=True) as w:
-            w.mm[:_BODY_OFF] = _HEADER.pack(MAGIC, VERSION, 0)
-            w.write([(_BODY_OFF, _BODY.format, (NO_LIMIT, 0, 0, 0, 0, os.getpid(), time.time_ns(), 0, b"", b""))])
+                f"{self.path} exists and is not a kvcached segment of this version ({exc}); kvcached does not "
+                "write or remove files it did not make. Set KVCACHED_IPC_NAME to another name, or remove the file "
+                "if nothing uses it."
+            ) from None
         self._thread = threading.Thread(target=self._run, name=f"kvcached-meminfo-{name}", daemon=True)
         self._thread.start()
 
@@ -334,11 +439,10 @@ class Publisher:
             except FileNotFoundError:
                 logger.warning("segment %s was deleted; recreating it", self.path)
                 try:
-                    with _Writer(self.path, create=True) as w:
-                        w.mm[:_BODY_OFF] = _HEADER.pack(MAGIC, VERSION, 0)
-                        w.write([(_BODY_OFF, "<q", (NO_LIMIT,))])
-                except OSError:
-                    pass
+                    with _Writer(self.path, create=True):
+                        pass
+                except (OSError, ValueError) as exc:  # someone else's file took the name: leave it alone
+                    logger.warning("cannot recreate segment %s: %s", self.path, exc)
             except Exception as exc:  # the monitor must never take the engine down
                 logger.warning("kvcached memory monitor: %s", exc)
             self._wake.wait(PERIOD)
@@ -354,10 +458,9 @@ class Publisher:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         try:
-            with _Writer(self.path, create=False) as w:
-                mine = _unpack(self.name, w.mm).pid == os.getpid()
-            if mine:
-                delete_segment(self.name)
+            with _Writer(self.path) as w:
+                if _unpack(self.name, w.mm).pid == os.getpid():
+                    w.unlink()
         except (OSError, ValueError):
             pass
 
@@ -370,14 +473,26 @@ def publisher() -> Publisher | None:
     return _publisher
 
 
-def register(manager: Any) -> None:
+def _start_locked() -> Publisher:
     global _publisher
+    if _publisher is None:
+        _publisher = Publisher(get_default_ipc_name())
+    return _publisher
+
+
+def start_publisher() -> Publisher:
+    """This process's publisher, made with its segment on the first call (a manager calls this
+    before it binds, so a name it may not use fails before anything is mapped)."""
     with _plock:
-        if _publisher is None:
-            _publisher = Publisher(get_default_ipc_name())
-        _publisher.managers.add(manager)
-        _publisher._applied = None  # re-apply the limit to include the new pool
-        _publisher.poke()
+        return _start_locked()
+
+
+def register(manager: Any) -> None:
+    with _plock:
+        pub = _start_locked()
+        pub.managers.add(manager)
+        pub._applied = None  # re-apply the limit to include the new pool
+        pub.poke()
 
 
 def unregister(manager: Any) -> None:

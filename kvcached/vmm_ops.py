@@ -9,6 +9,7 @@ Where every byte lives is decided by :mod:`kvcached.layout` only.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -112,6 +113,8 @@ def init_kvcached(device: str | torch.device = "cuda:0", page_size: int | None =
                 f"kvcached is already initialized on {_runtime.device}; call shutdown_kvcached() before "
                 "initializing again."
             )
+        # read here too, like every variable: a value set after import takes effect or raises now
+        logging.getLogger("kvcached").setLevel(config.log_level())
         choice = choose_backend(device)
         if page_size is None or page_size == 0:
             page_size = config.page_size()
@@ -207,11 +210,11 @@ def create_kv_tensors(size: int, dtype_size: int, dev_str: str, num_layers: int,
         _check_positive_int("size", size)
         _check_positive_int("dtype_size", dtype_size)
         _check_positive_int("num_layers", num_layers)
-        if num_kv_buffers not in (1, 2):
+        if isinstance(num_kv_buffers, bool) or num_kv_buffers not in (1, 2):
             raise KVCachedConfigError(
                 f"num_kv_buffers must be 1 (MLA / unified) or 2 (K and V), got {num_kv_buffers!r}."
             )
-        if not isinstance(group_id, int) or group_id < 0:
+        if not isinstance(group_id, int) or isinstance(group_id, bool) or group_id < 0:
             raise KVCachedConfigError(f"group_id must be an int >= 0, got {group_id!r}.")
         _check_device(rt, dev_str)
         kv = 1 if unified_pool else num_kv_buffers
@@ -240,6 +243,8 @@ def create_kv_tensors(size: int, dtype_size: int, dev_str: str, num_layers: int,
 
 def kv_tensors_created(group_id: int = 0) -> bool:
     """True once :func:`create_kv_tensors` has made the tensors of ``group_id``."""
+    if not isinstance(group_id, int) or isinstance(group_id, bool) or group_id < 0:
+        raise KVCachedConfigError(f"group_id must be an int >= 0, got {group_id!r}.")
     rt = _runtime
     return rt is not None and group_id in rt.groups
 

@@ -134,3 +134,43 @@ def test_kvcached_command_dispatch() -> None:
     assert main(["--help"]) == 0
     assert main(["bogus"]) == 2
     assert main(["ctl", "list", "--json"]) == 0
+
+
+# -- names: kvctl touches nothing outside /dev/shm ------------------------------
+def test_delete_of_a_path_outside_shm_is_refused_and_deletes_nothing(live, tmp_path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    name, _ = live
+    victim = tmp_path / name  # same base name as the live segment
+    victim.write_bytes(b"precious")
+    assert kvctl.main(["delete", str(victim)]) == 2
+    err = capsys.readouterr().err
+    assert "not a path" in err and name in err, err
+    out = subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", "delete", str(victim)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "not a path" in out.stderr, out.stderr
+    assert victim.read_bytes() == b"precious"
+    assert os.path.exists(mem_info.segment_path(name)), "the live segment must not be deleted either"
+
+
+@pytest.mark.parametrize("bad", ["/abs/kvcached_x", "/dev/shm/kvcached_x", "../kvcached_x", "kvcached_x/..", ".",
+                                 "..", "kvcached..x", "", "kvcached_\0x", "k" * 300])
+@pytest.mark.parametrize("command", [["delete"], ["limit", "1G"], ["limit-percent", "10"], ["list"],
+                                     ["watch", "--count", "1"]])
+def test_commands_refuse_names_that_are_not_plain_file_names(bad: str, command: list[str],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [command[0], bad, *command[1:]] if command[0] in ("delete", "limit", "limit-percent") else [*command, bad]
+    assert kvctl.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvctl: segment name") and "kvctl list" in err, err
+
+
+def test_a_file_that_is_not_a_segment_is_an_error_not_a_traceback(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(mem_info, "SHM_DIR", str(tmp_path))
+    (tmp_path / "kvcached_other").write_bytes(b"x" * 8216)
+    for argv in (["delete", "kvcached_other"], ["limit", "kvcached_other", "1G"],
+                 ["limit-percent", "kvcached_other", "5"]):
+        assert kvctl.main(argv) == 1
+        err = capsys.readouterr().err
+        assert "not a kvcached segment" in err, err
+    assert (tmp_path / "kvcached_other").read_bytes() == b"x" * 8216

@@ -199,3 +199,143 @@ def test_manager_usage_and_set_limit_are_what_the_monitor_uses(name: str) -> Non
     assert m.set_limit("ipc", None) and m.limit_pages == 8
     m.close()
     assert m.usage() is None and m.set_limit("ipc", 1) is False
+
+
+# -- only files inside SHM_DIR, only kvcached segments ----------------------------
+def _segment_bytes(pid: int) -> bytes:
+    buf = bytearray(mem_info.SEGMENT_BYTES)
+    mem_info._HEADER.pack_into(buf, 0, mem_info.MAGIC, mem_info.VERSION, 0)
+    mem_info._BODY.pack_into(buf, mem_info._BODY_OFF, mem_info.NO_LIMIT, 0, 0, 0, 0, pid, 0, 0, b"", b"")
+    return bytes(buf)
+
+
+@pytest.mark.parametrize("bad", ["/tmp/kvcached_x", "../kvcached_x", "a/b", "..", ".", "", "x\0y", "kvcached..x"])
+def test_segment_path_takes_plain_names_only(bad: str) -> None:
+    with pytest.raises(ValueError, match="segment name .* use the name of a file in /dev/shm"):
+        mem_info.segment_path(bad)
+
+
+def test_cli_utils_refuse_paths(name: str, tmp_path) -> None:
+    _pool(2)
+    victim = tmp_path / name
+    victim.write_bytes(b"precious")
+    for call in (cli_utils.get_kv_cache_limit, cli_utils.delete_kv_cache_segment,
+                 lambda n: cli_utils.update_kv_cache_limit(n, 1)):
+        with pytest.raises(ValueError, match="not a path"):
+            call(str(victim))
+    assert victim.read_bytes() == b"precious"
+    assert mem_info.read_segment(name).limit == mem_info.NO_LIMIT
+
+
+def test_a_symlink_in_shm_is_never_followed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shm, outside = tmp_path / "shm", tmp_path / "outside"
+    shm.mkdir()
+    outside.mkdir()
+    target = outside / "seg"
+    target.write_bytes(_segment_bytes(os.getpid()))
+    (shm / "kvcached_link").symlink_to(target)
+    monkeypatch.setattr(mem_info, "SHM_DIR", str(shm))
+    with pytest.raises(ValueError, match="symbolic link"):
+        mem_info.read_segment("kvcached_link")
+    with pytest.raises(ValueError, match="symbolic link"):
+        mem_info.write_limit("kvcached_link", 1 << 20)
+    with pytest.raises(ValueError, match="symbolic link"):
+        mem_info.delete_segment("kvcached_link")
+    assert mem_info.list_segments() == []
+    assert target.read_bytes() == _segment_bytes(os.getpid())
+    assert (shm / "kvcached_link").is_symlink()
+
+
+def test_a_fifo_in_shm_does_not_block_readers(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    os.mkfifo(tmp_path / "kvcached_fifo")
+    monkeypatch.setattr(mem_info, "SHM_DIR", str(tmp_path))
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(mem_info.list_segments()), daemon=True)
+    t.start()
+    t.join(10)
+    assert got == [[]], "listing blocked on a FIFO named like a segment"
+    with pytest.raises(ValueError, match="not a regular file"):
+        mem_info.read_segment("kvcached_fifo")
+
+
+def _foreign(kind: str, path: str, tmp_path) -> bytes | None:
+    """Put a file that is not a kvcached segment at path; what its target holds (to check it later)."""
+    if kind == "text":
+        data = b"someone else's data\n"
+    elif kind == "zeros":  # right size, no magic
+        data = bytes(mem_info.SEGMENT_BYTES)
+    elif kind == "empty":
+        data = b""
+    elif kind == "longer":  # our header, but not our size
+        data = _segment_bytes(999_999_999) + b"tail"
+    elif kind == "symlink":  # a dead process's valid segment, but outside /dev/shm
+        data = _segment_bytes(999_999_999)
+        (tmp_path / "outside").write_bytes(data)
+        os.symlink(tmp_path / "outside", path)
+        return data
+    else:
+        os.mkdir(path)
+        return None
+    with open(path, "wb") as f:
+        f.write(data)
+    return data
+
+
+@pytest.mark.parametrize("kind", ["text", "zeros", "empty", "longer", "symlink", "directory"])
+def test_ipc_name_of_a_foreign_file_is_refused_and_the_file_kept(kind: str, name: str, tmp_path) -> None:
+    from kvcached.errors import KVCachedStateError
+
+    path = os.path.join("/dev/shm", name)
+    data = _foreign(kind, path, tmp_path)
+    try:
+        with pytest.raises(KVCachedStateError, match=f"{path} .*not a kvcached segment.*KVCACHED_IPC_NAME"):
+            _pool(2)
+        vmm_ops.shutdown_kvcached()
+        mem_info.stop_publisher()
+        if kind == "symlink":
+            assert os.path.islink(path) and (tmp_path / "outside").read_bytes() == data
+        elif kind == "directory":
+            assert os.path.isdir(path)
+        else:
+            with open(path, "rb") as f:
+                assert f.read() == data
+    finally:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+
+def test_a_foreign_file_locked_by_its_owner_is_refused_without_waiting(name: str) -> None:
+    import fcntl
+    import threading
+
+    from kvcached.errors import KVCachedStateError
+
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(b"another program's data, under its own flock\n")
+    owner = os.open(path, os.O_RDONLY)
+    fcntl.flock(owner, fcntl.LOCK_EX)  # held for as long as the owner likes
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            _pool(2)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    t = threading.Thread(target=start, daemon=True)
+    try:
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "kvcached waited for the lock of a file that is not its segment"
+        assert len(errors) == 1 and isinstance(errors[0], KVCachedStateError), errors
+        assert "not a kvcached segment" in str(errors[0])
+    finally:
+        fcntl.flock(owner, fcntl.LOCK_UN)
+        os.close(owner)
+        t.join(10)
+        os.unlink(path)

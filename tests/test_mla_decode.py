@@ -105,15 +105,48 @@ def test_mla_bad_inputs():
         paged_mla_decode(q, cache.view(torch.uint8)[..., :576].view(torch.float8_e4m3fn), table, lens, scale=1.0)
 
 
-def test_mla_custom_op_fake():
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def test_mla_custom_op_fake_runs_no_kernel_and_keeps_out(monkeypatch: pytest.MonkeyPatch):
+    """The fake (meta) impl used by torch.compile: returns nothing, launches nothing, and ``out``
+    (the one tensor it declares written) keeps its shape, dtype and device."""
+    import importlib
 
-    with FakeTensorMode():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    md = importlib.import_module("kvcached.kernels.mla_decode")
+    op = torch.ops.kvcached.paged_mla_decode.default
+    written = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["out"] and not op._schema.returns
+    launched: list = []
+    monkeypatch.setattr(md, "_launch", lambda *args: launched.append(args))
+    args = (torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    with FakeTensorMode() as mode:
         q = torch.empty(2, 16, 576, dtype=torch.bfloat16)
         c = torch.empty(8, 16, 576, dtype=torch.bfloat16)
         out = torch.empty(2, 16, 512, dtype=torch.bfloat16)
-        torch.ops.kvcached.paged_mla_decode(q, c, torch.zeros(2, 4, dtype=torch.int32),
-                                            torch.ones(2, dtype=torch.int32), out, torch.ones(1), 0.1, 512, 2)
+        result = torch.ops.kvcached.paged_mla_decode(q, c, *map(mode.from_tensor, args), out, torch.ones(1), 0.1,
+                                                     512, 2)
+    assert result is None
+    assert isinstance(out, FakeTensor)
+    assert (tuple(out.shape), out.dtype, out.device) == ((2, 16, 512), torch.bfloat16, torch.device("cpu"))
+    assert launched == [], "the fake impl ran the kernel"
+    real_out = torch.zeros(2, 16, 512, dtype=torch.bfloat16)
+    torch.ops.kvcached.paged_mla_decode(torch.zeros(2, 16, 576, dtype=torch.bfloat16),
+                                        torch.zeros(8, 16, 576, dtype=torch.bfloat16), *args, real_out,
+                                        torch.ones(1), 0.1, 512, 2)
+    assert len(launched) == 1  # outside fake mode the real impl runs
+
+
+def test_mla_custom_op_passes_opcheck(device):
+    """Real vs fake outputs and mutations agree, and only ``out`` is written."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 16, 576, dtype=torch.bfloat16, generator=gen).to(device)
+    c = torch.randn(8, 16, 576, dtype=torch.bfloat16, generator=gen).to(device)
+    table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=device)
+    out = torch.zeros(2, 16, 512, dtype=torch.bfloat16, device=device)
+    torch.library.opcheck(torch.ops.kvcached.paged_mla_decode.default,
+                          (q, c, table, lens, out, torch.ones(1, device=device), 0.1, 512, 2),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_mla_override_knobs(device):

@@ -437,43 +437,90 @@ def test_gil_released_while_mapping():
     pa.close()
 
 
+TICK = 0.001  # seconds between the ticker's ticks while it can get the GIL
+
+
+def _tick_rounds(step, rounds: int = 3, seconds: float = 0.1) -> list[tuple[int, float]]:
+    """Per round, (ticks, seconds) spent inside ``measure(fn)`` calls, with a thread ticking every
+    TICK s; ``step(measure)`` is called until the round has measured ``seconds``.
+
+    A tick needs the GIL. The switch interval is set far above a round's length, so the main
+    thread never hands the GIL over between bytecodes: ticks inside measure(fn) happen only
+    while fn is in a call that released it.
+    """
+    ticks = 0
+    stop = threading.Event()
+
+    def tick():
+        nonlocal ticks
+        while not stop.is_set():
+            time.sleep(TICK)
+            ticks += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    out = []
+    try:
+        time.sleep(0.01)
+        for _ in range(rounds):
+            got = [0, 0.0]
+
+            def measure(fn, got=got):
+                before, t0 = ticks, time.perf_counter()
+                result = fn()
+                got[0] += ticks - before
+                got[1] += time.perf_counter() - t0
+                return result
+
+            while got[1] < seconds:
+                step(measure)
+            out.append((got[0], got[1]))
+    finally:
+        stop.set()
+        ticker.join(timeout=5)
+        sys.setswitchinterval(interval)
+    return out
+
+
+def _gil_was_free(rounds: list[tuple[int, float]]) -> bool:
+    """Some round saw at least half the ticks its measured time allows at one per TICK (the other
+    half is slack for a loaded machine: sleeps overshoot, the ticker waits for a core)."""
+    return any(ticks >= 0.5 * seconds / TICK for ticks, seconds in rounds)
+
+
+def test_the_tick_check_tells_a_gil_holding_call_from_a_releasing_one():
+    import ctypes
+
+    holds_gil = ctypes.PyDLL(None).usleep  # the same libc call, once with the GIL held...
+    drops_gil = ctypes.CDLL(None).usleep  # ...and once released, as our bindings do
+    held = _tick_rounds(lambda measure: measure(lambda: holds_gil(5000)))
+    assert not _gil_was_free(held), f"ticks during GIL-holding calls: {held}"
+    freed = _tick_rounds(lambda measure: measure(lambda: drops_gil(5000)))
+    assert _gil_was_free(freed), f"too few ticks during GIL-free calls: {freed}"
+
+
 def test_python_threads_run_during_native_calls():
-    # While the prealloc thread maps (holding the allocator's mutex) and the main thread
-    # waits for it inside alloc_pages, the GIL must be free: a spinning Python thread advances.
+    # While the prealloc thread maps (holding the allocator's mutex) and the main thread waits
+    # for it inside alloc_pages, the GIL must be free: a Python thread ticks about as often as
+    # it would with the main thread asleep. Only the time inside alloc_pages is counted.
     geom = _geometry(Layout.PER_LAYER, num_layers=32, num_blocks=64 * 512)
     b = host(4096)
     vts = [vmm.VirtualTensor(b, geom.tensor_bytes, geom.unit_bytes) for _ in range(geom.num_tensors)]
     pa = vmm.PageAllocator(b, vts, geom.regions(), geom.num_pages, 24, 24, True)
-    ticks = 0
-    stop = threading.Event()
-    started = threading.Event()
 
-    def spin():
-        nonlocal ticks
-        started.set()
-        while not stop.is_set():
-            ticks += 1
-
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.05)  # Python-level switches are rare: progress comes from released GILs
-    spinner = threading.Thread(target=spin)
-    spinner.start()
-    started.wait()
-    elapsed = []
-    during = []
-    for _ in range(3):
-        before = ticks
-        t0 = time.perf_counter()
-        got = pa.alloc_pages(16)  # 16 pages x 64 regions = 1024 maps
-        elapsed.append(time.perf_counter() - t0)
-        during.append(ticks - before)
+    def step(measure):
+        got = measure(lambda: pa.alloc_pages(16))  # 16 pages x 64 regions = 1024 maps
         pa.free_pages(got)
         pa.trim()
-    stop.set()
-    spinner.join()
-    sys.setswitchinterval(old_interval)
-    pa.close()
-    assert max(during) > 0, f"no Python progress during {elapsed} s of native mapping"
+
+    try:
+        rounds = _tick_rounds(step)
+    finally:
+        pa.close()
+    assert _gil_was_free(rounds), (f"(ticks, s) inside alloc_pages per round: {rounds}; fewer than half of one "
+                                   f"tick per {TICK} s: alloc_pages holds the GIL")
 
 
 # -- block pool ---------------------------------------------------------------------

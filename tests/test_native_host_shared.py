@@ -103,7 +103,7 @@ def test_names_and_env(shm_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert vmm.host_shm_default_name(3) == f"kvcached_host_{uid}_3"
 
 
-@pytest.mark.parametrize("bad", ["a/b", "x" * 201, "..", "sp ace", "/"])
+@pytest.mark.parametrize("bad", ["a/b", "x" * 201, "..", "sp ace", "/", "...", "a..b", "../x", "/a/b", "x/", "//x"])
 def test_bad_segment_names(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="KVCACHED_HOST_SHM_NAME"):
         vmm.Backend("host", 0, 8 * MiB, shm_name=bad)
@@ -117,11 +117,88 @@ def test_shm_name_only_for_host() -> None:
         vmm.Backend("cuda", 0, 0, shm_name="x")
 
 
-def test_foreign_segment_is_refused(shm_name: str) -> None:
-    with open(f"/dev/shm/{shm_name}", "wb") as f:
-        f.write(b"\x01" * 100)
-    with pytest.raises(vmm.DriverError, match="not the .* B of this kvcached version"):
-        vmm.Backend("host", 0, 8 * MiB)
+SEGMENT_BYTES = 8 + 4 + 4 + 8 + 256 * 32  # host_budget.cpp's BudgetSegment
+
+
+def _put_foreign(kind: str, path: str, tmp_path) -> tuple[str, bytes | None]:
+    """A file at path that is not a budget segment; (the file holding its bytes, those bytes)."""
+    data = {"short": b"\x01" * 100, "empty": b"", "zeros": bytes(SEGMENT_BYTES),
+            "other_magic": b"NOTOURS!" + bytes(SEGMENT_BYTES - 8), "symlink": bytes(SEGMENT_BYTES)}.get(kind)
+    if kind == "directory":
+        os.mkdir(path)
+        return path, None
+    target = str(tmp_path / "outside") if kind == "symlink" else path
+    with open(target, "wb") as f:
+        f.write(data)
+    if kind == "symlink":
+        os.symlink(target, path)
+    return target, data
+
+
+@pytest.mark.parametrize("kind", ["short", "empty", "zeros", "other_magic", "symlink", "directory"])
+def test_foreign_segment_is_refused_and_left_alone(kind: str, shm_name: str, tmp_path) -> None:
+    from kvcached.errors import KVCachedStateError
+
+    path = f"/dev/shm/{shm_name}"
+    target, data = _put_foreign(kind, path, tmp_path)
+    try:
+        sized = kind in ("short", "empty")
+        want = "not the .* B of this kvcached version" if sized else "not a kvcached host budget segment"
+        with pytest.raises(KVCachedStateError, match=want + ".*KVCACHED_HOST_SHM_NAME"):
+            vmm.Backend("host", 0, 8 * MiB)
+        with pytest.raises(KVCachedStateError, match="not a kvcached host budget segment|not the .* B"):
+            vmm.unlink_host_shm(shm_name)
+        if kind == "directory":
+            assert os.path.isdir(path)
+        else:
+            assert os.path.lexists(path) and os.path.islink(path) == (kind == "symlink")
+            with open(target, "rb") as f:
+                assert f.read() == data, "the file was written"
+    finally:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+
+def test_a_foreign_file_locked_by_its_owner_is_refused_without_waiting(shm_name: str) -> None:
+    import fcntl
+    import threading
+
+    from kvcached.errors import KVCachedStateError
+
+    path = f"/dev/shm/{shm_name}"
+    with open(path, "wb") as f:
+        f.write(b"another program's data, under its own flock\n")
+    owner = os.open(path, os.O_RDONLY)
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    errors: list[BaseException] = []
+
+    def run(call) -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    try:
+        for call in (lambda: vmm.Backend("host", 0, 8 * MiB), lambda: vmm.unlink_host_shm(shm_name)):
+            t = threading.Thread(target=run, args=(call,), daemon=True)
+            t.start()
+            t.join(10)
+            assert not t.is_alive(), "kvcached waited for the lock of a file that is not its segment"
+        assert len(errors) == 2 and all(isinstance(e, KVCachedStateError) for e in errors), errors
+    finally:
+        fcntl.flock(owner, fcntl.LOCK_UN)
+        os.close(owner)
+        os.unlink(path)
+
+
+def test_unlink_removes_a_budget_segment_and_reports_absence(shm_name: str) -> None:
+    vmm.Backend("host", 0, 8 * MiB)
+    assert os.path.exists(f"/dev/shm/{shm_name}")
+    assert vmm.unlink_host_shm(shm_name) is True
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+    assert vmm.unlink_host_shm(shm_name) is False
 
 
 def test_backends_of_one_process_share_and_last_opener_sets_budget() -> None:

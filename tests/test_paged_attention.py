@@ -143,19 +143,50 @@ def test_split_merge_paths_and_repeat(fused):
         run_case(q_lens=[1, 1], seq_lens=[90, 130], splits=7, seed=14)
 
 
-def test_direct_launch_matches_the_custom_op():
+def test_direct_launch_matches_the_custom_op(monkeypatch: pytest.MonkeyPatch):
+    """A plain eager call launches directly; under a dispatch mode the same public call goes
+    through torch.ops.kvcached.paged_attention, whose impl launches; both give the same bits."""
     import importlib
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     pa = importlib.import_module("kvcached.kernels.paged_attention")
+
+    class SeenOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    launched_from: list[str] = []
+    launch = pa._launch
+
+    def spy(*args):
+        launched_from.append(sys._getframe(1).f_code.co_name)
+        return launch(*args)
+
+    monkeypatch.setattr(pa, "_launch", spy)
     gen = torch.Generator().manual_seed(15)
     k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=2, head_size=32, block_size=16,
                                dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
     query, bt, sl, qsl = random_batch([1, 6], [70, 6], 4, 32, 16, k.shape[0], torch.float16,
                                       generator=gen, device=DEVICE)
-    assert pa.direct_launch_ok(query)
-    eager = paged_attention(query, k, v, bt, sl, qsl, max_query_len=6, max_seq_len=70, scale=0.2)
+    args = (query, k, v, bt, sl, qsl)
+    kwargs = {"max_query_len": 6, "max_seq_len": 70, "scale": 0.2}
+
+    eager = paged_attention(*args, **kwargs)
+    assert launched_from == ["paged_attention"], "a plain eager call must launch directly, not through the op"
+
+    launched_from.clear()
     via_op = torch.full_like(query, float("nan"))
-    pa.paged_attention_op(query, k, v, bt, sl, qsl, via_op, 6, 70, 0.2, True, 0, 0.0, None, None, None, None)
+    with SeenOps() as mode:
+        paged_attention(*args, **kwargs, out=via_op)
+    assert torch.ops.kvcached.paged_attention.default in mode.ops, "the call did not reach the op's dispatcher"
+    assert launched_from == ["paged_attention_op"], f"launched from {launched_from}, not from the op's impl"
     assert torch.equal(eager, via_op)
 
 

@@ -196,13 +196,44 @@ def test_bad_inputs_raise_clear_errors():
         write_kv_cache(x, x, f8, f8, s, k_scale=torch.ones(2), v_scale=1.0)
 
 
-def test_custom_op_is_registered_with_fake():
-    op = torch.ops.kvcached.write_kv_cache.default
-    assert "k_cache" in str(op._schema) and "!" in str(op._schema)
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _mutated(op) -> list[str]:
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
+
+def test_custom_op_fake_runs_no_kernel_and_keeps_every_tensor(monkeypatch: pytest.MonkeyPatch):
+    """The fake (meta) impl used by torch.compile: returns nothing, launches nothing, and the
+    caches it declares written keep their shape, dtype and device."""
+    import importlib
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    wk = importlib.import_module("kvcached.kernels.write_kv")
+    op = torch.ops.kvcached.write_kv_cache.default
+    assert _mutated(op) == ["k_cache", "v_cache"] and not op._schema.returns
+    launched: list = []
+    monkeypatch.setattr(wk, "_launch", lambda *args: launched.append(args))
     with FakeTensorMode():
         x = torch.empty(4, 2, 32, dtype=torch.float16)
-        c = torch.empty(8, 16, 2, 32, dtype=torch.float16)
+        kc, vc = torch.empty(8, 16, 2, 32, dtype=torch.float16), torch.empty(8, 16, 2, 32, dtype=torch.float16)
         one = torch.ones(1)
-        torch.ops.kvcached.write_kv_cache(x, x, c, c.clone(), torch.arange(4), one, one)
+        result = torch.ops.kvcached.write_kv_cache(x, x, kc, vc, torch.arange(4), one, one)
+    assert result is None
+    for t in (kc, vc):
+        assert isinstance(t, FakeTensor)
+        assert (tuple(t.shape), t.dtype, t.device) == ((8, 16, 2, 32), torch.float16, torch.device("cpu"))
+    assert launched == [], "the fake impl ran the kernel"
+    # the real op (kernel patched out) is what runs outside fake mode
+    real, ones = torch.zeros(8, 16, 2, 32, dtype=torch.float16), torch.ones(4, 2, 32, dtype=torch.float16)
+    torch.ops.kvcached.write_kv_cache(ones, ones, real, real.clone(), torch.arange(4), torch.ones(1), torch.ones(1))
+    assert len(launched) == 1
+
+
+def test_custom_op_passes_opcheck(device):
+    """Real vs fake outputs and mutations agree, and only k_cache/v_cache are written."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 2, 32, dtype=torch.float16, generator=gen).to(device)
+    kc = torch.zeros(8, 16, 2, 32, dtype=torch.float16, device=device)
+    one = torch.ones(1, device=device)
+    torch.library.opcheck(torch.ops.kvcached.write_kv_cache.default,
+                          (x, x * 2, kc, kc.clone(), torch.tensor([0, 17, 40, -1], device=device), one, one),
+                          test_utils=("test_schema", "test_faketensor"))

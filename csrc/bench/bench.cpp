@@ -11,6 +11,11 @@ namespace kvc {
 std::map<std::string, std::vector<double>> bench_driver_calls(Backend& b, int64_t num_pages, size_t page_bytes) {
   if (num_pages <= 0) throw_value("num_pages must be positive, got " + std::to_string(num_pages) + ".");
   b.check_aligned("page_bytes", page_bytes);
+  // n * page_bytes must not wrap: the maps below would then land outside the reservation.
+  if (static_cast<size_t>(num_pages) > (size_t{1} << 48) / page_bytes) {
+    throw_value("num_pages * page_bytes must be at most 2^48 B, got " + std::to_string(num_pages) + " x " +
+                std::to_string(page_bytes) + " B; lower num_pages.");
+  }
   using clk = std::chrono::steady_clock;
   auto us = [](clk::time_point a, clk::time_point z) { return std::chrono::duration<double, std::micro>(z - a).count(); };
   std::map<std::string, std::vector<double>> out;

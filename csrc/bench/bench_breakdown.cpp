@@ -58,6 +58,11 @@ struct Hd {
 Results bench_breakdown(Backend& b, int64_t num_units, size_t unit) {
   if (num_units < 16) throw_value("num_units must be >= 16, got " + std::to_string(num_units) + ".");
   b.check_aligned("unit", unit);
+  // n * unit must not wrap: the maps below would then land outside the reservation.
+  if (static_cast<size_t>(num_units) > (size_t{1} << 48) / unit) {
+    throw_value("num_units * unit must be at most 2^48 B, got " + std::to_string(num_units) + " x " +
+                std::to_string(unit) + " B; lower num_units.");
+  }
   Results out;
   const size_t n = static_cast<size_t>(num_units);
   const size_t total = n * unit;

@@ -5,6 +5,9 @@
     kvctl limit-percent NAME PCT     # percent of the device's memory
     kvctl watch [-n SEC] [NAME...]
     kvctl delete NAME
+
+NAME is the name of a segment in /dev/shm as ``kvctl list`` shows it, never a path:
+kvctl touches no file outside /dev/shm, and no file there that is not a kvcached segment.
 """
 
 from __future__ import annotations
@@ -66,8 +69,18 @@ def _missing(name: str, json_out: bool) -> int:
     return 1
 
 
+def _fail(msg: str, json_out: bool, code: int = 1) -> int:
+    if json_out:
+        print(json.dumps({"ok": False, "error": msg}))
+    print(f"kvctl: {msg}", file=sys.stderr)
+    return code
+
+
 def _set(name: str, size: int, json_out: bool) -> int:
-    info = update_kv_cache_limit(name, size)
+    try:
+        info = update_kv_cache_limit(name, size)
+    except ValueError as exc:  # a file of that name that is not a kvcached segment
+        return _fail(str(exc), json_out)
     if info is None:
         return _missing(name, json_out)
     if json_out:
@@ -98,7 +111,10 @@ def cmd_limit_percent(name: str, percent: float, json_out: bool = False) -> int:
     if not 0 <= percent <= 100:
         print(f"kvctl: percent must lie in [0, 100], got {percent}", file=sys.stderr)
         return 2
-    info = get_kv_cache_limit(name)
+    try:
+        info = get_kv_cache_limit(name)
+    except ValueError as exc:
+        return _fail(str(exc), json_out)
     if info is None:
         return _missing(name, json_out)
     if info.device_total <= 0:
@@ -108,13 +124,16 @@ def cmd_limit_percent(name: str, percent: float, json_out: bool = False) -> int:
 
 
 def cmd_delete(name: str, json_out: bool = False) -> int:
-    info = get_kv_cache_limit(name)
-    if info is None:
-        return _missing(name, json_out)
-    if mem_info.pid_alive(info.pid):
-        print(f"kvctl: note: {name} belongs to the live process {info.pid}; it recreates the segment.",
-              file=sys.stderr)
-    mem_info.delete_segment(name)
+    try:
+        info = get_kv_cache_limit(name)
+        if info is None:
+            return _missing(name, json_out)
+        if mem_info.pid_alive(info.pid):
+            print(f"kvctl: note: {name} belongs to the live process {info.pid}; it recreates the segment.",
+                  file=sys.stderr)
+        mem_info.delete_segment(name)
+    except ValueError as exc:
+        return _fail(str(exc), json_out)
     print(json.dumps({"ok": True, "deleted": name}) if json_out else f"deleted {name}")
     return 0
 
@@ -165,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     js = bool(args.json or getattr(args, "json_sub", False))
+    names = args.names if hasattr(args, "names") else [args.name]
+    for name in names:
+        try:
+            mem_info.check_name(name)
+        except ValueError as exc:  # checked before any file is opened
+            return _fail(str(exc), js, 2)
     if args.command == "list":
         return cmd_list(args.names, js)
     if args.command == "limit":

@@ -29,8 +29,11 @@ def render(names: list[str] | None = None) -> str:
     for name in names or mem_info.list_segments():
         try:
             i = mem_info.read_segment(name)
-        except (FileNotFoundError, ValueError):
+        except FileNotFoundError:
             lines.append(f"{name}: (no segment)")
+            continue
+        except ValueError as exc:  # a bad name, or a file that is not a kvcached segment
+            lines.append(f"{name}: {exc}")
             continue
         found += 1
         state = "alive" if mem_info.pid_alive(i.pid) else "DEAD"

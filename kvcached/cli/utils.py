@@ -19,10 +19,12 @@ def get_ipc_name(ipc_path: str) -> str:
     return os.path.basename(ipc_path)
 
 
+# These take the segment's name as kvctl shows it; a path raises ValueError instead of being
+# cut to its base name, which would act on a file the caller did not name.
 def get_kv_cache_limit(ipc_name: str) -> MemInfo | None:
     """The segment of ``ipc_name`` (limit, used, prealloc...), or None if there is none."""
     try:
-        return mem_info.read_segment(get_ipc_name(ipc_name))
+        return mem_info.read_segment(ipc_name)
     except FileNotFoundError:
         return None
 
@@ -34,13 +36,13 @@ def update_kv_cache_limit(ipc_name: str, kv_cache_limit: int) -> MemInfo | None:
     the pool shrinks to it as blocks are freed. Returns None if there is no such segment.
     """
     try:
-        return mem_info.write_limit(get_ipc_name(ipc_name), int(kv_cache_limit))
+        return mem_info.write_limit(ipc_name, int(kv_cache_limit))
     except FileNotFoundError:
         return None
 
 
 def delete_kv_cache_segment(ipc_name: str) -> bool:
-    return mem_info.delete_segment(get_ipc_name(ipc_name))
+    return mem_info.delete_segment(ipc_name)
 
 
 def list_kv_cache_segments() -> list[str]:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
+from kvcached.kernels import checks
 from kvcached.kernels.platform import (
     FP8_DTYPES,
     CompileVariant,
@@ -266,7 +268,7 @@ def _validate(query, kv_cache, block_table, seq_lens, kv_lora_rank, out) -> None
     head_size = query.shape[2]
     if kv_cache.shape[2] != head_size:
         raise ValueError(f"query head size {head_size} differs from the cache's {kv_cache.shape[2]}.")
-    if not isinstance(kv_lora_rank, int) or not 0 < kv_lora_rank <= head_size:
+    if not isinstance(kv_lora_rank, int) or isinstance(kv_lora_rank, bool) or not 0 < kv_lora_rank <= head_size:
         raise ValueError(f"kv_lora_rank must be an int in (0, {head_size}], got {kv_lora_rank!r}.")
     if query.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"query must be fp16 or bf16, got {query.dtype}.")
@@ -315,28 +317,29 @@ def paged_mla_decode(
     split count. fp8 caches are dequantised with the per-tensor ``kv_scale``.
     """
     _validate(query, kv_cache, block_table, seq_lens, kv_lora_rank, out)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}.")
+    table_tokens = block_table.shape[1] * kv_cache.shape[1]
+    if max_seq_len is None:
+        max_seq_len = table_tokens
+    elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 0 <= max_seq_len <= table_tokens:
+        raise ValueError(f"max_seq_len must be an int in [0, {table_tokens}] (block_table columns x block size) or "
+                         f"None, got {max_seq_len!r}.")
     if out is None:
         out = torch.empty(query.shape[0], query.shape[1], kv_lora_rank, dtype=query.dtype, device=query.device)
-    if kv_cache.dtype in FP8_DTYPES:
-        if kv_scale is None:
-            raise ValueError("kv_scale is required for an fp8 latent cache (value = stored * kv_scale).")
-        if isinstance(kv_scale, torch.Tensor):
-            if kv_scale.numel() != 1 or kv_scale.device != query.device:
-                raise ValueError(f"kv_scale must be one value on {query.device}, got {tuple(kv_scale.shape)} on "
-                                 f"{kv_scale.device}.")
-            ks = kv_scale.reshape(1).to(torch.float32)
-        else:
-            ks = torch.full((1,), float(kv_scale), dtype=torch.float32, device=query.device)
+    fp8 = kv_cache.dtype in FP8_DTYPES
+    if fp8:
+        ks = checks.scale_tensor("", "kv_scale", kv_scale, query.device)
     else:
         if kv_scale is not None:
             raise ValueError(f"kv_scale applies to fp8 caches only; this cache is {kv_cache.dtype}.")
         ks = unit_scale(query.device)
-    if max_seq_len is None:
-        max_seq_len = block_table.shape[1] * kv_cache.shape[1]
+    if checks.enabled(query):
+        checks.check_mla_decode(kv_cache, block_table, seq_lens, max_seq_len, ks if fp8 else None)
     if num_splits is None:
         block_h = launch_config(query.shape[1], is_hip())["BLOCK_H"]
         num_splits = choose_num_splits(query.shape[0], query.shape[1], max_seq_len, query.device, block_h)
-    elif not isinstance(num_splits, int) or num_splits < 1:
+    elif not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}.")
     if direct_launch_ok(query):
         _launch(query, kv_cache, block_table, seq_lens, out, ks, float(scale), kv_lora_rank, num_splits)

@@ -18,6 +18,7 @@ import torch
 import triton
 
 from kvcached.kernels import attention_config as cfg
+from kvcached.kernels import checks
 from kvcached.kernels.attention_decode import decode_kernel, reduce_kernel
 from kvcached.kernels.attention_prefill import prefill_kernel
 from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, direct_launch_ok, interpreting, is_hip
@@ -72,31 +73,16 @@ def _check_vector(name: str, t: torch.Tensor | None, length: int, device: torch.
         _fail(f"{name} is on {t.device}, the query on {device}; move it to the query's device.")
 
 
-_SCALES: dict = {}
 _DUMMIES: dict = {}
 
 
 def _as_scale(name: str, value: Scale, device: torch.device, needed: bool) -> torch.Tensor | None:
-    """A one-element float32 tensor for an fp8 cache (cached per float value: no launch per call)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype != torch.float32:
-            _fail(f"{name} must be a float or a one-element float32 tensor (per-tensor scale), got "
-                  f"{value.dtype} {tuple(value.shape)}.")
-        if value.device != device:
-            _fail(f"{name} is on {value.device}, the cache on {device}; move it to the cache's device.")
-        return value.reshape(1) if needed else None
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not math.isfinite(value) or value <= 0):
-        _fail(f"{name} must be a positive finite float or a float32 tensor, got {value!r}.")
-    if not needed:
+    """The fp8 scale tensor (1.0 when None), or None for a cache that needs none (a value given is
+    still checked: the same rule as write_kv_cache and paged_mla_decode)."""
+    if value is None and not needed:
         return None
-    key = (1.0 if value is None else float(value), str(device))
-    t = _SCALES.get(key)
-    if t is None:
-        if len(_SCALES) > 64:
-            _SCALES.clear()
-        t = _SCALES[key] = torch.full((1,), key[0], dtype=torch.float32, device=device)
-    return t
+    t = checks.scale_tensor("paged_attention: ", name, value, device, default=1.0)
+    return t if needed else None
 
 
 def _dummy(device: torch.device) -> torch.Tensor:
@@ -414,6 +400,9 @@ def paged_attention(
     fp8 = k_cache.dtype != query.dtype
     ks = _as_scale("k_scale", k_scale, dev, fp8)
     vs = _as_scale("v_scale", v_scale, dev, fp8)
+    if checks.enabled(query):
+        checks.check_paged_attention(query, k_cache, block_table, seq_lens, query_start_loc, max_query_len,
+                                     max_seq_len, {"k_scale": ks, "v_scale": vs} if fp8 else {})
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)

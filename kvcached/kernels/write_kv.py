@@ -7,7 +7,8 @@ and store is a wide contiguous vector along the head dimension.
 
 No host synchronisation: a slot outside ``[0, num_blocks * block_size)`` (negative
 = padding, by convention) is skipped inside the kernel, never written. Use
-:func:`check_slots` when you want out-of-range slots reported (it synchronises).
+:func:`check_slots`, or ``KVCACHED_KERNEL_CHECKS=1`` (:mod:`kvcached.kernels.checks`),
+when you want out-of-range slots reported (it synchronises).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcached.kernels import checks
 from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, direct_launch_ok
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
@@ -105,21 +107,6 @@ def _fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0
 
 
-def _scale_tensor(scale: torch.Tensor | float | None, name: str, device: torch.device) -> torch.Tensor:
-    if scale is None:
-        raise ValueError(f"{name} is required for an fp8 KV cache (stored = x / {name}); pass a float or a tensor.")
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"{name} must hold one per-tensor scale, got shape {tuple(scale.shape)}.")
-        if scale.device != device:
-            raise ValueError(f"{name} is on {scale.device} but the cache is on {device}; move it to {device}.")
-        return scale.reshape(1).to(torch.float32)
-    value = float(scale)
-    if not value > 0.0:
-        raise ValueError(f"{name} must be a positive number, got {value}.")
-    return torch.full((1,), value, dtype=torch.float32, device=device)
-
-
 def _validate(key, value, k_cache, v_cache, slot_mapping) -> None:
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("slot_mapping", slot_mapping)):
@@ -171,16 +158,10 @@ def _validate(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def check_slots(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Raise ValueError if a non-negative slot lies outside the cache. Synchronises with the device."""
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    bad = slot_mapping >= num_slots
-    if bool(bad.any()):
-        first = int(slot_mapping[bad][0])
-        count = int(bad.sum())
-        raise ValueError(
-            f"{count} slot(s) out of range, e.g. {first}: the cache holds {k_cache.shape[0]} blocks x "
-            f"{k_cache.shape[1]} tokens = {num_slots} slots (slot = block_id * block_size + offset; "
-            "use a negative slot to skip a token)."
-        )
+    [(bad, message)] = checks.slot_problems(slot_mapping, k_cache, padding="negative")
+    count = int(bad.sum())
+    if count:
+        raise ValueError(f"{count} slot(s) out of range, e.g. {message(tuple(bad.nonzero()[0].tolist()))}")
 
 
 def _launch(
@@ -243,13 +224,16 @@ def write_kv_cache(
     """
     _validate(key, value, k_cache, v_cache, slot_mapping)
     device = k_cache.device
-    if k_cache.dtype in FP8_DTYPES:
-        ks = _scale_tensor(k_scale, "k_scale", device)
-        vs = _scale_tensor(v_scale, "v_scale", device)
+    fp8 = k_cache.dtype in FP8_DTYPES
+    if fp8:
+        ks = checks.scale_tensor("", "k_scale", k_scale, device)
+        vs = checks.scale_tensor("", "v_scale", v_scale, device)
     else:
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"k_scale/v_scale apply to fp8 caches only; this cache is {k_cache.dtype}.")
         ks = vs = unit_scale(device)
+    if checks.enabled(key):
+        checks.check_write_kv(slot_mapping, k_cache, {"k_scale": ks, "v_scale": vs} if fp8 else {})
     if direct_launch_ok(key):
         _launch(key, value, k_cache, v_cache, slot_mapping, ks, vs)
     else:

@@ -64,7 +64,7 @@ def alloc_kv_cache(kvcache_shape: tuple[int, ...], dtype: torch.dtype, device: s
     shape = tuple(int(s) for s in kvcache_shape)
     if len(shape) != 3:
         raise KVCachedConfigError(f"SGLang kv cache shape must be (num_tokens, heads, head_dim), got {shape}.")
-    if not isinstance(page_size, int) or page_size <= 0:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
         raise KVCachedConfigError(f"page_size (tokens per block) must be a positive int, got {page_size!r}.")
     heads, head_size = shape[1], shape[2]
     if is_mla and heads != 1:
