@@ -433,6 +433,10 @@ class KVCacheManager:
         The pool keeps the smallest cap of all sources (utilization, :meth:`resize`, kvctl),
         never below what is in use. False once closed.
         """
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"set_limit: source must be a non-empty name such as 'ipc', got {source!r}.")
+        if pages is not None and (not isinstance(pages, int) or isinstance(pages, bool) or pages < 0):
+            raise ValueError(f"set_limit: pages must be an int >= 0 or None (no cap), got {pages!r}.")
         return self._set_limit(source, pages)
 
 

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -59,10 +60,22 @@ def run_engine(args: argparse.Namespace) -> None:
     print("READY", file=proto, flush=True)
     sys.stdin.readline()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # a burst can be over between two of the parent's samples: the engine records its own peak
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _used(os.environ.get("KVCACHED_IPC_NAME", "")) or 0)
+            stop.wait(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     t0 = time.monotonic()
     results = llm.generate(_prompts(args.requests, args.name), params, use_tqdm=False)
+    stop.set()
+    watcher.join()
     texts = [r.outputs[0].text for r in results]
-    print("DONE " + json.dumps({"seconds": time.monotonic() - t0, "texts": texts,
+    print("DONE " + json.dumps({"seconds": time.monotonic() - t0, "texts": texts, "peak": peak[0],
                                 "tokens": sum(len(r.outputs[0].token_ids) for r in results)}), file=proto,
           flush=True)
     sys.stdin.readline()  # stay up (and keep the segment) until the parent has seen memory fall
@@ -154,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             for e in started:
                 if e.result is None and _ready(e):
                     e.result = json.loads(e.expect("DONE")[5:])
+                    e.samples.append(e.result["peak"])
                     event = f"{e.label} done: {e.result['tokens']} tokens in {e.result['seconds']:.1f} s"
                     if e is engines[0]:
                         engines[1].send()

