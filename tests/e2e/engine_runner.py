@@ -102,6 +102,29 @@ def _teacher_forced(results: list, spec: dict) -> list[dict]:
     return out
 
 
+def _watch_peak(llm: object) -> list:
+    """The pool's mapped bytes after every allocation (an engine in this process only): a burst's peak can
+    fall between two of the sampler's reads."""
+    peak: list = [None]
+    try:
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    except AttributeError:  # the engine core runs in its own process
+        return peak
+    kv = getattr(pool, "kv", None)
+    if kv is None:
+        return peak
+    alloc = kv.alloc
+    peak[0] = int(kv.get_mapped_memory_size())
+
+    def watched(n: int) -> object:
+        got = alloc(n)
+        peak[0] = max(peak[0], int(kv.get_mapped_memory_size()))
+        return got
+
+    kv.alloc = watched
+    return peak
+
+
 def _wait_for(path: str | None, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while path and not os.path.exists(path):
@@ -136,6 +159,7 @@ def main() -> None:
         open(spec["ready_file"], "w").close()
     sampler = Sampler(spec.get("ipc_name"))
     idle_before = sampler.read()
+    peak = _watch_peak(llm)
     prompts = _prompts(spec)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
                             detokenize=not spec.get("skip_tokenizer_init", False))
@@ -200,7 +224,7 @@ def main() -> None:
         "tokens": outputs[0] if outputs else None, "all_tokens": outputs, "start_s": start_s, "run_s": run_s,
         "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
-        "teacher": teacher, "limit": limit, "kv_planned": kv_planned,
+        "teacher": teacher, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
         "runner": type(runner).__module__ if backend else None,
     }), flush=True)
 
