@@ -102,6 +102,16 @@ def _teacher_forced(results: list, spec: dict) -> list[dict]:
     return out
 
 
+def _decode_steps(out: object) -> list[list]:
+    """Per generated token (``logprobs`` >= 2): [token, its logprob, its lead over the second best]."""
+    steps = []
+    for tok, entry in zip(out.token_ids, out.logprobs or [], strict=False):
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+        lead = float(ranked[0][1].logprob - ranked[1][1].logprob) if len(ranked) > 1 else None
+        steps.append([int(tok), float(entry[tok].logprob), lead])
+    return steps
+
+
 def _watch_peak(llm: object) -> list:
     """The pool's mapped bytes after every allocation (an engine in this process only): a burst's peak can
     fall between two of the sampler's reads."""
@@ -162,8 +172,8 @@ def main() -> None:
     peak = _watch_peak(llm)
     prompts = _prompts(spec)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
-                            detokenize=not spec.get("skip_tokenizer_init", False))
-    outputs, cached_tokens, phases = [], [], []
+                            detokenize=not spec.get("skip_tokenizer_init", False), logprobs=spec.get("logprobs"))
+    outputs, cached_tokens, phases, decode = [], [], [], None
     teacher = None
     with sampler:
         _wait_for(spec.get("wait_file"))
@@ -183,6 +193,8 @@ def main() -> None:
                 tokens = [list(r.outputs[0].token_ids) for r in results]
                 outputs.append(tokens)
                 record["tokens"] = tokens
+                if spec.get("logprobs") and decode is None:
+                    decode = [_decode_steps(r.outputs[0]) for r in results]
                 cached_tokens.append([int(r.num_cached_tokens or 0) for r in results])
             time.sleep(phase.get("settle_s", 0.0))
             record["used_after"] = sampler.read()
@@ -224,7 +236,7 @@ def main() -> None:
         "tokens": outputs[0] if outputs else None, "all_tokens": outputs, "start_s": start_s, "run_s": run_s,
         "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
-        "teacher": teacher, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
+        "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
         "runner": type(runner).__module__ if backend else None,
     }), flush=True)
 

@@ -42,6 +42,24 @@ def check_teacher_forced(base: list[dict], ours: list[dict], tol: float = LOGPRO
     assert agree >= min_agree * total
 
 
+def check_decode(base: list[list], ours: list[list], tol: float = LOGPROB_TOL, min_steps: int = 50) -> tuple[int, int]:
+    """Greedy decoding with ``logprobs=2`` on two kernels: step by step, the same token with a logprob within
+    ``tol`` until the two part; they may part only where the baseline's lead was within ``2 * tol`` (a near-tie
+    two correct kernels can break either way). Returns (steps compared, requests that parted)."""
+    compared = parted = 0
+    for a, b in zip(base, ours, strict=True):
+        for (ta, la, lead), (tb, lb, _) in zip(a, b, strict=False):
+            if ta != tb:
+                assert lead is not None and lead <= 2 * tol, f"parted at token {ta} vs {tb} with a lead of {lead}"
+                parted += 1
+                break
+            assert abs(la - lb) <= tol, f"token {ta}: logprob {la} vs {lb}"
+            compared += 1
+    print(f"decode: {compared} greedy steps agree within {tol}; {parted} of {len(base)} requests parted at a near-tie")
+    assert compared >= min_steps, f"only {compared} steps compared before the requests parted"
+    return compared, parted
+
+
 def engine_env(vllm: str | None = None, **overrides: str | None) -> dict[str, str]:
     """A clean environment for one engine: no inherited KVCACHED_*/ENABLE_KVCACHED, then ``overrides``.
 

@@ -26,7 +26,7 @@ import torch
 
 E2E = Path(__file__).resolve().parent.parent / "e2e"
 sys.path.insert(0, str(E2E))
-from harness import check_teacher_forced, engine_env, finish_engine, start_engine  # noqa: E402
+from harness import check_decode, check_teacher_forced, engine_env, finish_engine, start_engine  # noqa: E402
 from tiny_model import BURST_PROMPTS, PROMPTS, make_tiny_model  # noqa: E402
 
 pytestmark = [
@@ -39,7 +39,7 @@ MiB = 1 << 20
 GRAPHS = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]}
 COMMON = {"dtype": "bfloat16", "enforce_eager": False, "async_scheduling": True, "compilation_config": GRAPHS,
           "max_model_len": 512, "max_num_seqs": 64}
-SHORT = {"prompts": PROMPTS * 4, "max_tokens": 48, "prompt_logprobs": 2}
+SHORT = {"prompts": PROMPTS * 4, "max_tokens": 48, "prompt_logprobs": 2, "logprobs": 2}
 BURST = {"prompts": BURST_PROMPTS, "max_tokens": 480}
 # under a limit cut preempted requests are recomputed: shorter outputs keep bf16 recomputation from
 # meeting a near-tie between two tokens; the first 120 steps of BURST run the very same batches
@@ -178,7 +178,8 @@ def test_memory_flags_become_the_engine_limit(runs: dict[str, dict]) -> None:
 def test_kvcached_backend_matches_flash_attn(runs: dict[str, dict]) -> None:
     base, ours = _ok(runs, "plain_short"), _ok(runs, "ours")
     assert ours["backend"] == "KVCACHED"
-    check_teacher_forced(base["teacher"], ours["teacher"])
+    check_teacher_forced(base["teacher"], ours["teacher"])  # prefill
+    check_decode(base["decode"], ours["decode"])  # decode steps, replayed from full CUDA graphs
 
 
 def test_limit_cut_preempts_and_every_request_completes_unchanged(runs: dict[str, dict]) -> None:
