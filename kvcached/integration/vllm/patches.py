@@ -32,6 +32,7 @@ logger = get_kvcached_logger()
 _lock = threading.Lock()
 _applied = False
 
+
 def _patch_attention_selection() -> None:
     from vllm.platforms import current_platform
 
