@@ -60,8 +60,9 @@ class KVCachedBlockPool(BlockPool):
         cap = kv_alloc.memory_cap()
         if cap is not None:
             # vLLM's memory flag becomes this engine's limit, set as kvctl sets one, so kvctl shows and changes it
-            mem_info.write_limit(mem_info.publisher().name, cap)
-            mem_info.publisher().tick()
+            publisher = mem_info.start_publisher()
+            mem_info.write_limit(publisher.name, cap)
+            publisher.tick()  # applied before the first step, not a monitor period later
             logger.info("kvcached: this engine's KV memory is capped at %.2f GiB (kvctl can change it)", cap / 2**30)
         if self.null_block.block_id != 0 or self.kv.null_block != [0]:
             raise KVCachePoolExhausted("kvcached could not reserve block 0 as vLLM's null block.")
