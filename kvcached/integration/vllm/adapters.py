@@ -141,7 +141,12 @@ def _install_views(module: Any, version: str) -> None:
     if _hooked(original):
         return
     kv_alloc.vllm_allocate_kv_cache = original
-    module.allocate_kv_cache = _mark(functools.wraps(original)(kv_alloc.allocate_kv_cache))
+
+    @functools.wraps(original)
+    def allocate_kv_cache(*args: Any, **kwargs: Any) -> Any:
+        return kv_alloc.allocate_kv_cache(*args, **kwargs)
+
+    module.allocate_kv_cache = _mark(allocate_kv_cache)
 
 
 def _new_runner_attn_utils() -> Any:
