@@ -51,6 +51,8 @@ from kvcached.errors import KVCachedConfigError
 FLASH_ATTN = "flash_attn"  # vLLM FlashAttention/Triton style: (2, N, block_size, H, D)
 FLASHINFER = "flashinfer"  # FlashInfer style: (N, 2, block_size, H, D)
 VIEW_STYLES = (FLASH_ATTN, FLASHINFER)
+# SGLang's per-token buffers [tokens, H, D] seen as pages (N // P, P, H, D): token-major on the contiguous layout
+SGLANG_PAGED = "sglang"
 
 SUPPORTED_DTYPES = (
     torch.float16,
@@ -363,6 +365,16 @@ def token_page_view(buffer: torch.Tensor, page_tokens: int) -> torch.Tensor:
     size = (buffer.shape[0] // page_tokens, page_tokens, *buffer.shape[1:])
     stride = (buffer.stride(0) * page_tokens, *buffer.stride())
     return torch.as_strided(buffer, size, stride, buffer.storage_offset())
+
+
+def sglang_paged_kv(bases: list[torch.Tensor], geom: KVGeometry, layer: int,
+                    page_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s K and V as SGLang's paged backends see them: ``[N // P, P, H, D]`` (strided).
+
+    ``geom`` is a :func:`token_major_geometry`; ``page_tokens`` the SGLang page size ``P``.
+    """
+    k, v = sglang_buffers(bases, geom, layer)
+    return token_page_view(k, page_tokens), token_page_view(v, page_tokens)
 
 
 def allocate_plain(geom: KVGeometry, device: torch.device | str = "cpu") -> list[torch.Tensor]:
