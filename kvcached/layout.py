@@ -23,12 +23,24 @@ Layouts (``kv`` is 0 for K, 1 for V; ``N`` the padded number of blocks):
   (K half, then V half): each layer's K and V are dense, which is what vendor
   kernels that ignore strides expect. Page ``p`` is ``num_layers * kv_factor``
   ranges of ``page_size`` bytes.
+
+Token-major placement (SGLang). Engines that address *tokens* (SGLang keeps
+per-token K and V buffers ``[num_tokens, H, D]`` per layer and groups them into
+"pages" of ``P`` tokens) need one token stride everywhere. They use the geometry of
+one-token blocks (:func:`token_major_geometry`): on the contiguous layout that is
+``[tokens, num_layers, kv_factor, H, D]`` (one token of every layer's K and V side
+by side; token stride ``num_layers * kv_factor`` tokens), on the per-layer layout it
+is the per-layer layout itself. An engine page of ``P`` tokens is ``P`` consecutive
+token slots, and the allocator still hands out blocks of ``P`` tokens: as ``P``
+divides the tokens of one page, page ``p`` holds exactly engine pages
+``[p * ppp, (p + 1) * ppp)`` with ``ppp = page_size // (P * token_bytes)``, the
+same bytes in both geometries.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -39,6 +51,8 @@ from kvcached.errors import KVCachedConfigError
 FLASH_ATTN = "flash_attn"  # vLLM FlashAttention/Triton style: (2, N, block_size, H, D)
 FLASHINFER = "flashinfer"  # FlashInfer style: (N, 2, block_size, H, D)
 VIEW_STYLES = (FLASH_ATTN, FLASHINFER)
+# SGLang's per-token buffers [tokens, H, D] seen as pages (N // P, P, H, D): token-major on the contiguous layout
+SGLANG_PAGED = "sglang"
 
 SUPPORTED_DTYPES = (
     torch.float16,
@@ -274,8 +288,8 @@ def sglang_buffers(bases: list[torch.Tensor], geom: KVGeometry, layer: int) -> t
     """SGLang per-token K and V buffers ``[N * block_size, H, D]`` for one layer.
 
     A per-token buffer needs one token stride everywhere, which holds when
-    blocks are dense per layer (per-layer layout) or one token long (SGLang's
-    default page size of 1).
+    blocks are dense per layer (per-layer layout) or one token long (the
+    token-major placement of :func:`token_major_geometry`, for any SGLang page size).
     """
     _check_bases(bases, geom)
     s = geom.spec
@@ -285,8 +299,8 @@ def sglang_buffers(bases: list[torch.Tensor], geom: KVGeometry, layer: int) -> t
     token = s.num_kv_heads * s.head_size
     if s.block_size != 1 and st.block_stride != s.block_size * token:
         raise KVCachedConfigError(
-            "SGLang per-token buffers on the contiguous layout need block_size=1 (page_size=1 "
-            f"in SGLang), got {s.block_size}; use page size 1 or KVCACHED_CONTIGUOUS_LAYOUT=false."
+            "SGLang per-token buffers on the contiguous layout need the token-major geometry (blocks of "
+            f"one token), got block_size={s.block_size}; build it with token_major_geometry()."
         )
     token_stride = st.block_stride // s.block_size
     typed = _typed(bases[st.tensor], geom)
@@ -295,6 +309,72 @@ def sglang_buffers(bases: list[torch.Tensor], geom: KVGeometry, layer: int) -> t
     k = torch.as_strided(typed, size, stride, st.offset)
     v = torch.as_strided(typed, size, stride, st.offset + st.kv_stride)
     return k, v
+
+
+def engine_pages_per_page(page_tokens: int, token_bytes: int, page_size: int) -> int:
+    """How many engine pages of ``page_tokens`` tokens of ``token_bytes`` one kvcached page holds.
+
+    KVCachedConfigError unless they divide it exactly: an engine page straddling two
+    kvcached pages would have part of its tokens unmapped while the allocator hands it out.
+    """
+    for name, value in (("page_tokens", page_tokens), ("token_bytes", token_bytes), ("page_size", page_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise KVCachedConfigError(f"{name} must be a positive int, got {value!r}.")
+    tokens_per_page = page_size // token_bytes
+    if page_size % token_bytes or tokens_per_page % page_tokens:
+        fit = f"a power-of-two page size of at most {tokens_per_page} tokens" if tokens_per_page else "a smaller token"
+        raise KVCachedConfigError(
+            f"an engine page of {page_tokens} tokens x {token_bytes} B does not divide the {page_size >> 20} MiB "
+            f"kvcached page ({page_size / token_bytes:g} tokens), so engine pages would straddle kvcached pages; "
+            f"use {fit}, or set KVCACHED_PAGE_SIZE_MB to a multiple of the engine page."
+        )
+    return tokens_per_page // page_tokens
+
+
+def token_major_geometry(spec: KVSpec, layout: Layout | str | bool, page_size: int) -> KVGeometry:
+    """The one-token-block geometry of an engine that pages tokens ``spec.block_size`` at a time.
+
+    ``spec.block_size`` is the engine's page size ``P`` (SGLang's ``page_size``) and
+    ``spec.num_blocks`` its number of pages; KVCachedConfigError unless ``P`` tokens
+    divide the page (:func:`engine_pages_per_page`).
+    """
+    layout = Layout.parse(layout)
+    token = replace(spec, block_size=1, num_blocks=spec.num_blocks * spec.block_size)
+    engine_pages_per_page(spec.block_size, token.block_bytes, page_size)
+    geom = KVGeometry(token, layout, page_size)
+    # the allocator's geometry has blocks of P tokens: page p must be the same bytes in both
+    paged = KVGeometry(spec, layout, page_size)
+    if (paged.num_pages, paged.page_group_bytes) != (geom.num_pages, geom.page_group_bytes):
+        raise AssertionError(f"token-major and paged geometries disagree: {paged} vs {geom}")
+    return geom
+
+
+def token_page_view(buffer: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """A per-token buffer ``[num_tokens, *rest]`` as pages ``[num_tokens // P, P, *rest]``, zero-copy.
+
+    What SGLang's paged backends do (``k_buffer.view(-1, page_size, H, D)``); on the
+    token-major placement the page stride is ``P`` token strides, which kernels that
+    honour strides read correctly and dense-addressing kernels do not.
+    """
+    if not isinstance(page_tokens, int) or isinstance(page_tokens, bool) or page_tokens <= 0:
+        raise KVCachedConfigError(f"page_tokens must be a positive int, got {page_tokens!r}.")
+    if buffer.dim() < 2 or buffer.shape[0] % page_tokens:
+        raise KVCachedConfigError(
+            f"a per-token buffer of shape {tuple(buffer.shape)} is not whole pages of {page_tokens} tokens."
+        )
+    size = (buffer.shape[0] // page_tokens, page_tokens, *buffer.shape[1:])
+    stride = (buffer.stride(0) * page_tokens, *buffer.stride())
+    return torch.as_strided(buffer, size, stride, buffer.storage_offset())
+
+
+def sglang_paged_kv(bases: list[torch.Tensor], geom: KVGeometry, layer: int,
+                    page_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s K and V as SGLang's paged backends see them: ``[N // P, P, H, D]`` (strided).
+
+    ``geom`` is a :func:`token_major_geometry`; ``page_tokens`` the SGLang page size ``P``.
+    """
+    k, v = sglang_buffers(bases, geom, layer)
+    return token_page_view(k, page_tokens), token_page_view(v, page_tokens)
 
 
 def allocate_plain(geom: KVGeometry, device: torch.device | str = "cpu") -> list[torch.Tensor]:

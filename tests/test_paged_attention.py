@@ -19,7 +19,7 @@ from kvcached.kernels.reference import paged_attention_ref, paged_kv_case, rando
 # fp16 output rounding alone is ~3e-4 relative; bf16 ~3e-3. On the GPU p is rounded too.
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 LAYOUTS = ("contiguous", "per_layer")
-STYLES = ("flash_attn", "flashinfer")
+STYLES = ("flash_attn", "flashinfer", "sglang")  # sglang: per-token buffers as pages (token-major)
 NUM_BLOCKS = 64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter handles both fp8 flavours; a GPU only its vendor's
@@ -232,10 +232,11 @@ def test_default_out_allocated():
     assert relative_error(out, paged_attention_ref(query, k, v, bt, sl, qsl)) < TOL[torch.float16]
 
 
-def test_dense_stride_assumption_is_caught():
+@pytest.mark.parametrize("style", ["flash_attn", "sglang"])
+def test_dense_stride_assumption_is_caught(style):
     """Reading the contiguous layout as if it were dense (the ROCm vendor path) is wrong; ours is right."""
     gen = torch.Generator().manual_seed(11)
-    k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=2, head_size=32, block_size=16,
+    k, v, _, _ = paged_kv_case(layout="contiguous", style=style, num_kv_heads=2, head_size=32, block_size=16,
                                dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
     assert not k.is_contiguous()
     query, bt, sl, qsl = random_batch([1, 12], [40, 30], 4, 32, 16, k.shape[0], torch.float16,

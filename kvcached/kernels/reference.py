@@ -165,11 +165,18 @@ def paged_kv_case(
     """K and V caches ``[N, block_size, H, D]`` of one layer, as strided views of a real layout.
 
     ``style`` ``flash_attn`` takes ``unbind(0)`` of the ``(2, N, ...)`` view, ``flashinfer``
-    ``unbind(1)`` of the ``(N, 2, ...)`` view. Returns ``(k, v, bases, geometry)``.
+    ``unbind(1)`` of the ``(N, 2, ...)`` view, ``sglang`` SGLang's per-token buffers as pages
+    of ``block_size`` tokens (token-major on the contiguous layout). Returns ``(k, v, bases, geometry)``.
     """
     from kvcached import layout as L
 
     spec = L.KVSpec(num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype)
+    if style == L.SGLANG_PAGED:
+        geom = L.token_major_geometry(spec, layout, math.lcm(2 << 20, spec.block_bytes))
+        bases = L.allocate_plain(geom, device)
+        fill_random_(bases, dtype, generator)
+        k, v = L.sglang_paged_kv(bases, geom, layer, block_size)
+        return k, v, bases, geom
     # the smallest page (a multiple of 2 MiB) that whole blocks fill: head sizes 80/96 need 10/6 MiB
     geom = L.KVGeometry(spec, L.Layout.parse(layout), math.lcm(2 << 20, spec.block_bytes))
     bases = L.allocate_plain(geom, device)

@@ -14,7 +14,7 @@ from kvcached import vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.integration.vllm.interfaces import _default_device, virtual_bytes_per_kv
 from kvcached.kv_cache_manager import KVCacheManager
-from kvcached.layout import KVGeometry, KVSpec, mla_view, sglang_buffers
+from kvcached.layout import KVSpec, engine_pages_per_page, mla_view, sglang_buffers, token_major_geometry
 from kvcached.utils import get_kvcached_logger, normalize_gpu_device
 
 logger = get_kvcached_logger()
@@ -24,6 +24,8 @@ _kvcached_device: str | None = None
 _async_sched: bool = False
 _world_size: int = 1
 _pp_rank: int = 0
+# bytes of one token of one layer's K (or V) in each group's buffers: a manager must use the same cell size
+_token_bytes: dict[int, int] = {}
 
 
 def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, device: str | None = None,
@@ -43,6 +45,7 @@ def shutdown_kvcached() -> bool:
     global _kvcached_initialized, _kvcached_device, _async_sched
     if _kvcached_initialized and vmm_ops.is_initialized():
         vmm_ops.shutdown_kvcached()
+    _token_bytes.clear()
     _kvcached_initialized, _kvcached_device, _async_sched = False, None, False
     return True
 
@@ -70,44 +73,46 @@ def alloc_kv_cache(kvcache_shape: tuple[int, ...], dtype: torch.dtype, device: s
     if is_mla and heads != 1:
         raise KVCachedConfigError(f"MLA kv cache shape must have 1 head, got {shape}.")
     kv = 1 if is_mla else 2
-    block_bytes = page_size * heads * head_size * dtype.itemsize
-    if rt.page_size % block_bytes:
-        raise KVCachedConfigError(
-            f"a block of {page_size} tokens ({block_bytes} B) does not divide the {rt.page_size >> 20} MiB page; "
-            "pick a power-of-two page size."
-        )
+    token_bytes = heads * head_size * dtype.itemsize
+    pages_per_page = engine_pages_per_page(page_size, token_bytes, rt.page_size)
     per_kv = virtual_bytes_per_kv(rt, num_layers, kv)
-    num_blocks = per_kv // rt.page_size * (rt.page_size // block_bytes)
-    if shape[0] > num_blocks * page_size:
-        logger.warning("requested %d tokens, the device can hold %d", shape[0], num_blocks * page_size)
-    geom = KVGeometry(KVSpec(num_layers, num_blocks, page_size, heads, head_size, dtype, kv), rt.layout,
-                      rt.page_size)
-    if is_mla and page_size != 1 and rt.layout.value == "contiguous":
-        raise KVCachedConfigError(
-            "SGLang MLA buffers on the contiguous layout need page_size=1; use page size 1 or "
-            "KVCACHED_CONTIGUOUS_LAYOUT=false."
-        )
+    num_pages = per_kv // rt.page_size * pages_per_page
+    if shape[0] > num_pages * page_size:
+        logger.warning("requested %d tokens, the device can hold %d", shape[0], num_pages * page_size)
+    # one-token blocks for any SGLang page size: token-major on the contiguous layout
+    geom = token_major_geometry(KVSpec(num_layers, num_pages, page_size, heads, head_size, dtype, kv), rt.layout,
+                                rt.page_size)
     raw = vmm_ops.create_kv_tensors(per_kv * kv, dtype.itemsize, device, num_layers, kv, group_id)
     if is_mla:
         out = []
         for layer in range(num_layers):
-            v = mla_view(raw, geom, layer)  # (N, bs, D)
-            out.append(v.view(num_blocks * page_size, 1, head_size))
+            out.append(mla_view(raw, geom, layer))  # (tokens, 1, D): one-token blocks
+        _token_bytes[group_id] = token_bytes
         return out
     ks, vs = [], []
     for layer in range(num_layers):
         k, v = sglang_buffers(raw, geom, layer)
         ks.append(k)
         vs.append(v)
+    _token_bytes[group_id] = token_bytes
     return ks, vs
 
 
 def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_layers: int,
                          reserve_null_block: bool = True, num_kv_buffers: int = 2, group_id: int = 0,
                          pool_name: str | None = None) -> KVCacheManager:
-    """Token-slot allocator (``block_size`` = SGLang page size); slot 0 is SGLang's padding slot."""
+    """Token-slot allocator: blocks of ``block_size`` tokens (SGLang's page size) of ``cell_size`` bytes
+    per token and layer; block 0 is SGLang's padding slot (page)."""
     if not _kvcached_initialized or not vmm_ops.is_initialized():
         raise KVCachedStateError("kvcached is not initialized; call init_kvcached() first.")
+    token_bytes = _token_bytes.get(group_id) if vmm_ops.kv_tensors_created(group_id) else None
+    if token_bytes is not None and cell_size != token_bytes:
+        # the buffers are token-major: page p is p * page_size / token_bytes tokens in; another
+        # cell size would map memory under other tokens than the ones handed out
+        raise KVCachedConfigError(
+            f"cell_size={cell_size} B does not match the {token_bytes} B per token of group {group_id}'s "
+            "buffers from alloc_kv_cache (heads x head_dim x dtype size)."
+        )
     return KVCacheManager(num_blocks, block_size, cell_size, num_layers, _world_size, pp_rank=_pp_rank,
                           async_sched=_async_sched, reserve_null_block=reserve_null_block,
                           num_kv_buffers=num_kv_buffers, group_id=group_id, pool_name=pool_name)
