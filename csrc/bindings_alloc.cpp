@@ -129,6 +129,14 @@ void bind_allocators(py::module_& m) {
         return pa.set_limit_pages(n);
       }, py::arg("n"))
       .def("close", &PageAllocator::close, py::call_guard<py::gil_scoped_release>())
+      .def("stop_prealloc_thread", &PageAllocator::stop_thread, py::call_guard<py::gil_scoped_release>(),
+           "Stop the prealloc thread (joins it); the reserve then changes only on calls.")
+      .def("start_prealloc_thread", &PageAllocator::start_thread, py::call_guard<py::gil_scoped_release>(),
+           "Start the prealloc thread (again); a no-op while it runs. False once closed.")
+      .def_property_readonly("prealloc_running", [](PageAllocator& pa) {
+        py::gil_scoped_release rel;
+        return pa.thread_running();
+      })
       .def("is_in_use", [](PageAllocator& pa, py::object page) {
         int64_t p = py_int(page, "page");
         py::gil_scoped_release rel;

@@ -501,16 +501,44 @@ void PageAllocator::thread_main() {
 }
 
 void PageAllocator::stop_thread() noexcept {
+  std::lock_guard<std::mutex> tl(thread_mu_);
+  stop_thread_locked();
+}
+
+void PageAllocator::stop_thread_locked() noexcept {
+  std::thread t;
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
+    t = std::move(thread_);  // under mu_: the paths that test thread_.joinable() hold mu_ too
   }
   cv_.notify_all();
-  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  if (!t.joinable()) return;
+  if (t.get_id() == std::this_thread::get_id()) {
+    t.detach();  // called from the thread itself: it leaves its loop on return
+  } else {
+    t.join();
+  }
+}
+
+bool PageAllocator::start_thread() {
+  std::lock_guard<std::mutex> tl(thread_mu_);
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_.load()) return false;
+  if (thread_.joinable()) return true;
+  stop_ = false;
+  thread_ = std::thread([this] { thread_main(); });  // it waits on mu_ until this call returns
+  return true;
+}
+
+bool PageAllocator::thread_running() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return thread_.joinable();
 }
 
 void PageAllocator::close() {
-  stop_thread();
+  std::lock_guard<std::mutex> tl(thread_mu_);  // held throughout: no start_thread between stop and closed_
+  stop_thread_locked();
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_.exchange(true)) return;
   std::vector<int64_t> mapped;

@@ -39,6 +39,9 @@ class PageAllocator {
   bool set_limit_pages(int64_t n);
   void close();
   void stop_thread() noexcept;
+  // Start the prealloc thread again after stop_thread() (a no-op while it runs); false once closed.
+  bool start_thread();
+  bool thread_running();
 
   // Non-blocking fast paths for BlockPool (try_lock; false = take the slow path).
   bool try_take_reserved(int64_t n, std::vector<int64_t>& out);
@@ -72,6 +75,7 @@ class PageAllocator {
   void take_reserved_locked(int64_t n, std::vector<int64_t>& out);
   void publish_locked();
   void thread_main();
+  void stop_thread_locked() noexcept;  // thread_mu_ held
   void add_phase(const char* name, double us, int64_t calls = 1) {
     auto& e = phases_[name];
     e.first += us;
@@ -86,6 +90,7 @@ class PageAllocator {
   size_t page_bytes_ = 0;
   bool one_handle_;  // one physical allocation per page, sliced; else one per region
 
+  std::mutex thread_mu_;  // serializes start_thread/stop_thread; taken before mu_
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint8_t> state_;
@@ -98,7 +103,7 @@ class PageAllocator {
   std::atomic<int64_t> in_use_{0}, reserved_n_{0};
   std::atomic<int64_t> phys_free_pages_{0};
   std::atomic<bool> closed_{false};
-  std::thread thread_;
+  std::thread thread_;  // assigned and moved out only under mu_: readers under mu_ see a settled value
   std::map<std::string, std::pair<double, int64_t>> phases_;  // guarded by mu_
 };
 

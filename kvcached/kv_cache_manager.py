@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from kvcached import config, vmm_ops
+from kvcached import _vmm, config, vmm_ops
+from kvcached.compat import PageAllocatorView
 from kvcached.deferred_free import DeferredFree
 from kvcached.errors import KVCachedConfigError, KVCachedStateError, KVCachePoolExhausted
 from kvcached.layout import KVGeometry, KVSpec
@@ -116,6 +117,10 @@ class KVCacheManager:
         self._limit_lock = threading.Lock()
         self._pool: Any = None
         self._allocator: Any = None
+        self._view: PageAllocatorView | None = None
+        # Set once bound to the KV tensors (the existing kvcached's post-init event): at
+        # construction when they exist, otherwise at the first call that needs them.
+        self._post_init_done = threading.Event()
         self._closed = False
         self.null_block: list[int] | None = None
         self.device_total = 0
@@ -176,8 +181,8 @@ class KVCacheManager:
             if group.allocator is not None:
                 group.allocator.close()
             r = self._reserve
-            allocator = vmm_ops.PageAllocator(self._runtime.backend, group.vtensors, group.regions, self.num_pages,
-                                              r.min_reserved_pages, r.max_reserved_pages, r.prealloc)
+            allocator = _vmm.PageAllocator(self._runtime.backend, group.vtensors, group.regions, self.num_pages,
+                                           r.min_reserved_pages, r.max_reserved_pages, r.prealloc)
             group.allocator = allocator
             group.owner = weakref.ref(self)
             self._allocator = allocator
@@ -191,14 +196,37 @@ class KVCacheManager:
                 raise KVCachedStateError(f"could not reserve block 0 as the null block (got {null}).")
             self.null_block = null
         mem_info.register(self)
+        self._view = PageAllocatorView(self, allocator)
         # Last: the lock-free fast path (self._pool or self._bind()) may use the pool from here on.
         self._pool = pool
+        self._post_init_done.set()
         return pool
 
     @property
-    def page_allocator(self) -> Any:
+    def page_allocator(self) -> PageAllocatorView:
+        """The pages under this pool: the existing kvcached's queries (``get_num_free_pages()``...,
+        see :class:`kvcached.compat.PageAllocatorView`) and every attribute of our native
+        allocator (``num_in_use``, ``limit_pages``...)."""
         self._bind()
-        return self._allocator
+        view = self._view
+        if view is None:  # closed meanwhile
+            raise KVCachedStateError(f"KVCacheManager {self.pool_name} is closed; create a new one.")
+        return view
+
+    # -- names of the existing kvcached ----------------------------------------
+    def _wait_post_init(self) -> None:
+        """Block until bound to the KV tensors (waits for them up to KV_TENSOR_WAIT_TIMEOUT)."""
+        self._bind()
+
+    @property
+    def reserved_blocks(self) -> list[int]:
+        """A copy of the block ids :meth:`try_to_reserve` holds (the next :meth:`alloc` hands them out first)."""
+        with self._reserved_lock:
+            return list(self._reserved)
+
+    def _get_num_alloced_blocks(self) -> int:
+        """Blocks out of the pool: handed out, held by :meth:`try_to_reserve`, the null block."""
+        return self.num_allocated_blocks()
 
     # -- limits -------------------------------------------------------------
     def _set_limit(self, source: str, pages: int | None) -> bool:
@@ -400,6 +428,7 @@ class KVCacheManager:
                 group.owner = None
         self._pool = None
         self._allocator = None
+        self._view = None
 
     def _raise_exhausted(self, need: int) -> None:
         raise KVCachePoolExhausted(

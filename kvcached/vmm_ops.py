@@ -17,13 +17,42 @@ from typing import Any
 
 import torch
 
-from kvcached import _vmm, config
+from kvcached import _vmm, compat, config
 from kvcached.backend import BackendChoice, choose_backend
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.layout import KVGeometry, KVSpec, Layout
 from kvcached.utils import default_contiguous_layout
 
-PageAllocator = _vmm.PageAllocator
+_NATIVE_BACKEND = _vmm.Backend  # the type itself, even where a test swaps _vmm.Backend for a subclass
+
+
+class _PageAllocatorMeta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, (_vmm.PageAllocator, StandalonePageAllocator))
+
+
+class PageAllocator(metaclass=_PageAllocatorMeta):
+    """Either constructor form, told apart by the first argument:
+
+    * ``PageAllocator(backend, tensors, regions, num_pages, min_reserved=0, max_reserved=0,
+      prealloc=False)`` (a :class:`Backend` first): our native allocator,
+      :class:`kvcached._vmm.PageAllocator`, returned as is.
+    * ``PageAllocator(num_layers, mem_size_per_layer, page_size, world_size=1, pp_rank=0,
+      async_sched=False, contiguous_layout=None, enable_page_prealloc=True, num_kv_buffers=2,
+      group_id=0, ipc_name="")``: the existing kvcached's form, a
+      :class:`StandalonePageAllocator` over the KV tensors of ``group_id``.
+
+    ``isinstance(x, PageAllocator)`` holds for both. Our own code builds the native
+    class by its native path, ``kvcached._vmm.PageAllocator``.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else kwargs.get("backend")
+        if isinstance(first, _NATIVE_BACKEND):
+            return _vmm.PageAllocator(*args, **kwargs)
+        return StandalonePageAllocator(*args, **kwargs)
+
+
 BlockPool = _vmm.BlockPool
 Backend = _vmm.Backend
 VirtualTensor = _vmm.VirtualTensor
@@ -311,6 +340,140 @@ def unmap_from_kv_tensors(offsets: list[int], group_id: int = 0) -> bool:
         pages = _pages_from_offsets(rt, group, offsets)
         _explicit_allocator(rt, group).free_pages(pages)
         return True
+
+
+class StandalonePageAllocator(compat.PageCounts):
+    """The existing kvcached's ``PageAllocator(num_layers, mem_size_per_layer, page_size, ...)``.
+
+    Hands out whole pages of the KV tensors of ``group_id`` (made by ``create_kv_tensors``,
+    which must have run): ``alloc_page()`` maps one page in every layer's K and V and
+    returns a :class:`Page`; ``free_page``/``free_pages`` give pages back. The group then
+    belongs to this allocator, as it would to a ``KVCacheManager``; :meth:`close` (or
+    ``shutdown_kvcached``) releases it.
+
+    Arguments our core decides itself: ``contiguous_layout`` (None: the runtime's; a
+    value that differs raises), ``async_sched`` (every call is thread-safe), ``pp_rank``
+    (ignored), ``ipc_name`` (ignored: memory is published per KVCacheManager by
+    :mod:`kvcached.mem_info`). ``world_size`` must be 1 and ``page_size`` the runtime's.
+    The reserve sizes come from ``KVCACHED_MIN/MAX_RESERVED_PAGES``; the background
+    refill runs from :meth:`start_prealloc_thread` when ``enable_page_prealloc``.
+    """
+
+    def __init__(self, num_layers: int, mem_size_per_layer: int, page_size: int, world_size: int = 1,
+                 pp_rank: int = 0, async_sched: bool = False, contiguous_layout: bool | None = None,
+                 enable_page_prealloc: bool = True, num_kv_buffers: int = 2, group_id: int = 0,
+                 ipc_name: str = "") -> None:
+        for name, value in (("num_layers", num_layers), ("mem_size_per_layer", mem_size_per_layer),
+                            ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise KVCachedConfigError(f"PageAllocator: {name} must be a positive int, got {value!r}.")
+        if isinstance(world_size, bool) or world_size != 1:
+            raise KVCachedConfigError(f"PageAllocator: world_size={world_size!r} is not supported; use 1.")
+        if not isinstance(pp_rank, int) or isinstance(pp_rank, bool) or pp_rank < 0:
+            raise KVCachedConfigError(f"PageAllocator: pp_rank must be an int >= 0, got {pp_rank!r}.")
+        if not isinstance(ipc_name, str):
+            raise KVCachedConfigError(f"PageAllocator: ipc_name must be a str, got {ipc_name!r}.")
+        rt = runtime()
+        if page_size != rt.page_size:
+            raise KVCachedConfigError(
+                f"PageAllocator: page_size={page_size} B differs from the runtime's {rt.page_size} B page; "
+                "pass the page size init_kvcached was given."
+            )
+        if contiguous_layout is not None and bool(contiguous_layout) != rt.contiguous:
+            raise KVCachedConfigError(
+                f"PageAllocator: contiguous_layout={contiguous_layout!r} but kvcached runs the "
+                f"{rt.layout.value} layout; pass None or set KVCACHED_CONTIGUOUS_LAYOUT before init_kvcached."
+            )
+        pages = mem_size_per_layer // page_size
+        if pages == 0:
+            raise KVCachedConfigError(
+                f"PageAllocator: mem_size_per_layer={mem_size_per_layer} B is less than one {page_size} B page."
+            )
+        with _lock:
+            group = get_group(group_id)
+            spec = group.geometry.spec
+            if spec.num_layers != num_layers or spec.kv_factor != num_kv_buffers:
+                raise KVCachedConfigError(
+                    f"PageAllocator(num_layers={num_layers}, num_kv_buffers={num_kv_buffers}) does not match the "
+                    f"KV tensors of group {group_id} ({spec.num_layers} layers, {spec.kv_factor} K/V buffers)."
+                )
+            if pages > group.geometry.num_pages:
+                raise KVCachedConfigError(
+                    f"PageAllocator: mem_size_per_layer={mem_size_per_layer} B is {pages} pages but the KV "
+                    f"tensors of group {group_id} hold {group.geometry.num_pages}."
+                )
+            if group.owner_alive():
+                raise KVCachedStateError(
+                    f"group {group_id} already has a live KVCacheManager, PageAllocator or explicit mappings."
+                )
+            if group.allocator is not None:
+                group.allocator.close()
+            r = config.reserve_config()
+            native = _vmm.PageAllocator(rt.backend, group.vtensors, group.regions, group.geometry.num_pages,
+                                        r.min_reserved_pages, r.max_reserved_pages, False)
+            native.set_limit_pages(pages)
+            group.allocator = native
+            group.owner = weakref.ref(self)
+        self.native = native
+        self.num_layers = num_layers
+        self.mem_size_per_layer = mem_size_per_layer
+        self.page_size = page_size
+        self.group_id = group_id
+        self.enable_page_prealloc = bool(enable_page_prealloc and r.prealloc)
+        self._runtime = rt
+        self._group = group
+
+    def __repr__(self) -> str:
+        return (f"PageAllocator(group_id={self.group_id}, pages={self.get_num_total_pages()}, "
+                f"in_use={self.get_num_inuse_pages()}, reserved={self.get_num_reserved_pages()})")
+
+    def start_prealloc_thread(self) -> None:
+        """Start the background refill of the reserve (no-op when prealloc is disabled)."""
+        if self.enable_page_prealloc:
+            self.native.start_prealloc_thread()
+
+    def alloc_page(self) -> compat.Page:
+        """Map one page (every layer's K and V) and return it; ValueError when none is free,
+        ``OutOfMemoryError`` when physical memory is short."""
+        if self.get_num_free_pages() <= 0:
+            raise ValueError("No free pages left.")
+        (page_id,) = self.native.alloc_pages(1)
+        return compat.Page(int(page_id), self.page_size)
+
+    def free_page(self, page_id: int) -> None:
+        self.native.free_pages([page_id])
+
+    def free_pages(self, page_ids: list[int]) -> None:
+        """Give pages back (kept mapped up to the reserve's size, the rest unmapped); ValueError,
+        with nothing freed, for a page not in use."""
+        self.native.free_pages(list(page_ids))
+
+    def resize(self, new_mem_size: int) -> bool:
+        """Set the size to ``new_mem_size`` bytes of one layer's K (or V).
+
+        False, with nothing changed, below the pages in use or beyond the KV tensors;
+        True otherwise. Shrinking unmaps reserve pages above the new size."""
+        if not isinstance(new_mem_size, int) or isinstance(new_mem_size, bool) or new_mem_size <= 0:
+            raise ValueError(f"resize: new_mem_size must be a positive int of bytes, got {new_mem_size!r}.")
+        pages = new_mem_size // self.page_size
+        if pages < self.get_num_inuse_pages() or pages > int(self.native.num_pages):
+            return False
+        self.native.set_limit_pages(pages)
+        self.mem_size_per_layer = new_mem_size
+        return True
+
+    def close(self) -> None:
+        """Unmap every page and give the group back (another allocator or manager may take it)."""
+        self.native.close()
+        if self._group.allocator is self.native:
+            self._group.allocator = None
+            self._group.owner = None
+
+    def __del__(self) -> None:
+        try:
+            self.native.stop_prealloc_thread()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
 
 
 def backend_name() -> str:

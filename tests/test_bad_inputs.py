@@ -396,9 +396,10 @@ def test_bad_kernel_input(kind: str) -> None:
 
 
 # -- every public entry point has a bad-input case ------------------------------
-_NATIVE = {name for name in vmm_ops.__all__ if isinstance(getattr(vmm_ops, name), type)
-           and getattr(vmm_ops, name).__module__ == "kvcached._vmm" and not issubclass(getattr(vmm_ops, name),
-                                                                                      BaseException)}
+# The native classes vmm_ops exports, read from _vmm: vmm_ops.PageAllocator is a Python
+# front that also takes the existing kvcached's constructor form (kvcached.compat).
+_NATIVE = {name for name in vmm_ops.__all__ if isinstance(getattr(_vmm, name, None), type)
+           and not issubclass(getattr(_vmm, name), BaseException)}
 _CALLED: dict[str, set[Any]] = {}  # case -> the entry points it called directly
 
 
@@ -430,6 +431,7 @@ def public_entry_points() -> dict[Any, str]:
         if inspect.isfunction(obj) and _takes_arguments(obj):
             points[obj.__code__] = f"vmm_ops.{name}"
         elif name in _NATIVE:
+            obj = getattr(_vmm, name)
             points[(name, "__init__")] = f"vmm_ops.{name}(...)"
             points.update({vars(obj)[m].__func__: f"vmm_ops.{name}.{m}" for m in _native_methods(obj)})
     for name, obj in vars(KVCacheManager).items():
