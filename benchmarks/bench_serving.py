@@ -203,14 +203,13 @@ def main() -> None:
     import vllm
 
     chosen = range(len(CONFIGS)) if not args.only else [int(i) for i in args.only.split(",")]
-    rows = {}
+    rows, text = {}, ""
     for i in chosen:
         name, env_extra, engine = CONFIGS[i]
         r = run_config(str(model), args, env_extra, engine)
         rows[name] = r
         print(name, {k: v for k, v in r.items() if k != "error"} or r["error"][-800:], flush=True)
-        write_table(rows, args, env, slug, vllm.__version__)  # a run cut short still leaves its rows
-    text = write_table(rows, args, env, slug, vllm.__version__)
+        text = write_table(rows, args, env, slug, vllm.__version__)  # a run cut short still leaves its rows
     if not args.no_timeline:
         text += "\n### Two engines, one GPU, bursty trace\n\n" + timeline(str(model), RESULTS /
                                                                       f"serving_timeline_{slug}.png", work) + "\n"

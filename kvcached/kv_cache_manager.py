@@ -13,14 +13,13 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvcached import _vmm, config, vmm_ops
+from kvcached import config, vmm_ops
 from kvcached.compat import PageAllocatorView
 from kvcached.deferred_free import DeferredFree
 from kvcached.errors import KVCachedConfigError, KVCachedStateError, KVCachePoolExhausted
@@ -173,18 +172,8 @@ class KVCacheManager:
                     f"num_blocks={self.num_blocks} needs {self.num_pages} pages but the KV tensors of group "
                     f"{self.group_id} hold {geom.num_pages}; lower num_blocks or create larger KV tensors."
                 )
-            if group.owner_alive():
-                raise KVCachedStateError(
-                    f"group {self.group_id} already has a live KVCacheManager (or explicit mappings); close it "
-                    "(manager.close()) or use another group_id."
-                )
-            if group.allocator is not None:
-                group.allocator.close()
             r = self._reserve
-            allocator = _vmm.PageAllocator(self._runtime.backend, group.vtensors, group.regions, self.num_pages,
-                                           r.min_reserved_pages, r.max_reserved_pages, r.prealloc)
-            group.allocator = allocator
-            group.owner = weakref.ref(self)
+            allocator = group.take(self, self.num_pages, r.min_reserved_pages, r.max_reserved_pages, r.prealloc)
             self._allocator = allocator
             pool = vmm_ops.BlockPool(allocator, self.blocks_per_page, self.num_blocks)
         total = int(self._runtime.backend.mem_info()[1])
@@ -250,8 +239,7 @@ class KVCacheManager:
     def alloc(self, need_size: int) -> list[int] | None:
         """``need_size`` block ids, all backed by mapped memory; None if not possible now."""
         pool = self._pool or self._bind()
-        if self._deferred is not None and len(self._deferred):
-            self._deferred.drain()
+        self._drain_deferred()
         try:
             if not self._reserved:
                 return pool.alloc(need_size)
@@ -298,6 +286,11 @@ class KVCacheManager:
         self._deferred.add(ids)
         self._deferred.drain()
 
+    def _drain_deferred(self) -> None:
+        """Give back what the device has finished with (no lock taken while nothing is pending)."""
+        if self._deferred is not None and len(self._deferred):
+            self._deferred.drain()
+
     def _release(self, ids: list[int]) -> None:
         pool = self._pool
         if pool is not None:
@@ -330,8 +323,7 @@ class KVCacheManager:
     def try_to_reserve(self, need_size: int) -> bool:
         """Take ``need_size`` more blocks now for a later :meth:`alloc`; False (nothing taken) if not possible."""
         pool = self._pool or self._bind()
-        if self._deferred is not None and len(self._deferred):
-            self._deferred.drain()
+        self._drain_deferred()
         if not isinstance(need_size, int) or isinstance(need_size, bool) or need_size < 0:
             raise ValueError(f"try_to_reserve: need_size must be an int >= 0, got {need_size!r}.")
         got = pool.alloc(need_size)
@@ -368,8 +360,7 @@ class KVCacheManager:
     def available_size(self) -> int:
         """Blocks an :meth:`alloc` could get now (advisory: see the class docstring)."""
         pool = self._pool or self._bind()
-        if self._deferred is not None and len(self._deferred):
-            self._deferred.drain()
+        self._drain_deferred()
         return pool.available() + len(self._reserved)
 
     def get_mapped_memory_size(self, unit: str = "bytes") -> float:

@@ -75,6 +75,25 @@ class KVGroup:
     def regions(self) -> list[tuple[int, int, int]]:
         return [(r.tensor, r.base, r.size) for r in self.geometry.regions()]
 
+    def take(self, owner: Any, num_pages: int, min_reserved: int, max_reserved: int, prealloc: bool) -> Any:
+        """A fresh native allocator of ``num_pages`` over these tensors, owned by ``owner`` (held weakly).
+
+        The caller holds ``_lock``. A live owner (manager, standalone allocator or explicit
+        mappings) is refused; a dead one's allocator is closed first.
+        """
+        if self.owner_alive():
+            raise KVCachedStateError(
+                f"group {self.group_id} already has a live KVCacheManager, PageAllocator or explicit mappings; "
+                "close it (close()) or use another group_id."
+            )
+        if self.allocator is not None:
+            self.allocator.close()
+        rt = runtime()
+        self.allocator = _vmm.PageAllocator(rt.backend, self.vtensors, self.regions, num_pages, min_reserved,
+                                            max_reserved, prealloc)
+        self.owner = weakref.ref(owner)
+        return self.allocator
+
     def owner_alive(self) -> bool:
         if self.owner is None:
             return False
@@ -402,18 +421,9 @@ class StandalonePageAllocator(compat.PageCounts):
                     f"PageAllocator: mem_size_per_layer={mem_size_per_layer} B is {pages} pages but the KV "
                     f"tensors of group {group_id} hold {group.geometry.num_pages}."
                 )
-            if group.owner_alive():
-                raise KVCachedStateError(
-                    f"group {group_id} already has a live KVCacheManager, PageAllocator or explicit mappings."
-                )
-            if group.allocator is not None:
-                group.allocator.close()
             r = config.reserve_config()
-            native = _vmm.PageAllocator(rt.backend, group.vtensors, group.regions, group.geometry.num_pages,
-                                        r.min_reserved_pages, r.max_reserved_pages, False)
+            native = group.take(self, group.geometry.num_pages, r.min_reserved_pages, r.max_reserved_pages, False)
             native.set_limit_pages(pages)
-            group.allocator = native
-            group.owner = weakref.ref(self)
         self.native = native
         self.num_layers = num_layers
         self.mem_size_per_layer = mem_size_per_layer

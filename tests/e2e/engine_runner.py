@@ -84,7 +84,7 @@ def _prompts(spec: dict) -> list:
     return spec["prompts"]
 
 
-def _teacher_forced(results: list, spec: dict) -> list[dict]:
+def _teacher_forced(results: list) -> list[dict]:
     """Per prompt: the logprob vLLM gave each actual next prompt token, and its top-1 token."""
     out = []
     for r in results:
@@ -202,7 +202,7 @@ def main() -> None:
             phases.append(record)
         if spec.get("prompt_logprobs"):
             tp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=int(spec["prompt_logprobs"]))
-            teacher = _teacher_forced(llm.generate(prompts, tp, use_tqdm=False), spec)
+            teacher = _teacher_forced(llm.generate(prompts, tp, use_tqdm=False))
         run_s = time.monotonic() - t1
         time.sleep(spec.get("settle_s", 0.0))
         if spec.get("signal_file"):
