@@ -147,6 +147,10 @@ void bind_allocators(py::module_& m) {
       .def_property_readonly("num_pages", &PageAllocator::num_pages)
       .def_property_readonly("num_in_use", &PageAllocator::num_in_use)
       .def_property_readonly("num_reserved", &PageAllocator::num_reserved)
+      .def_property_readonly("peak_in_use", &PageAllocator::peak_in_use,
+                             "Most pages in use at once since creation or reset_peak().")
+      .def("reset_peak", &PageAllocator::reset_peak, py::call_guard<py::gil_scoped_release>(),
+           "Start a new peak window at the pages in use now.")
       .def_property_readonly("min_reserved", &PageAllocator::min_reserved)
       .def_property_readonly("max_reserved", &PageAllocator::max_reserved)
       .def_property_readonly("mapped_bytes", &PageAllocator::mapped_bytes)

@@ -142,8 +142,15 @@ bool PageAllocator::is_in_use(int64_t p) {
 }
 
 void PageAllocator::publish_locked() {
-  in_use_.store(num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size()), std::memory_order_relaxed);
+  const int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  in_use_.store(in_use, std::memory_order_relaxed);
+  if (in_use > peak_in_use_.load(std::memory_order_relaxed)) peak_in_use_.store(in_use, std::memory_order_relaxed);
   reserved_n_.store(static_cast<int64_t>(reserved_.size()), std::memory_order_relaxed);
+}
+
+void PageAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lk(mu_);
+  peak_in_use_.store(in_use_.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
 void PageAllocator::map_locked(const std::vector<int64_t>& pages) {

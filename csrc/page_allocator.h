@@ -51,6 +51,10 @@ class PageAllocator {
   int64_t limit_pages() const { return limit_.load(std::memory_order_relaxed); }
   int64_t num_in_use() const { return in_use_.load(std::memory_order_relaxed); }
   int64_t num_reserved() const { return reserved_n_.load(std::memory_order_relaxed); }
+  // Most pages in use at once since creation or the last reset_peak(): a burst shorter than any
+  // observer's sampling period still shows.
+  int64_t peak_in_use() const { return peak_in_use_.load(std::memory_order_relaxed); }
+  void reset_peak();
   int64_t min_reserved() const { return min_reserved_; }
   int64_t max_reserved() const { return max_reserved_; }
   size_t page_bytes() const { return page_bytes_; }
@@ -100,7 +104,7 @@ class PageAllocator {
   bool stop_ = false;
 
   std::atomic<int64_t> limit_;
-  std::atomic<int64_t> in_use_{0}, reserved_n_{0};
+  std::atomic<int64_t> in_use_{0}, reserved_n_{0}, peak_in_use_{0};  // written under mu_
   std::atomic<int64_t> phys_free_pages_{0};
   std::atomic<bool> closed_{false};
   std::thread thread_;  // assigned and moved out only under mu_: readers under mu_ see a settled value

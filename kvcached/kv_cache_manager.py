@@ -445,7 +445,14 @@ class KVCacheManager:
         return PoolUsage(used=int(alloc.num_in_use) * self.page_group_bytes,
                          prealloc=int(alloc.num_reserved) * self.page_group_bytes,
                          capacity=self.num_pages * self.page_group_bytes, device_total=self.device_total,
-                         layout=rt.layout.value, device=rt.device)
+                         layout=rt.layout.value, device=rt.device,
+                         peak=int(alloc.peak_in_use) * self.page_group_bytes)
+
+    def reset_peak(self) -> None:
+        """Start a new window for ``usage().peak`` at what is in use now (``kvctl peak --reset``)."""
+        alloc = self._allocator
+        if alloc is not None:
+            alloc.reset_peak()
 
     def set_limit(self, source: str, pages: int | None) -> bool:
         """Cap mapped pages for ``source`` (``"ipc"``: kvctl's limit); None lifts that source's cap.
@@ -470,3 +477,4 @@ class PoolUsage:
     device_total: int  # the device's memory, read when the pool was bound
     layout: str  # "contiguous" or "per_layer"
     device: str
+    peak: int = 0  # most bytes of pages holding blocks at once since the pool was bound or reset_peak()

@@ -48,12 +48,16 @@ PERIOD = 0.1  # seconds between publishes; limits apply within one period
 SEGMENT_BYTES = 4096
 
 _HEADER = struct.Struct("<4sIQ")  # magic, version, sequence counter
-_BODY = struct.Struct("<qqqqqqqq16s48s")  # limit, used, prealloc, capacity, device_total, pid, updated_ns,
-#                                           limit_ns, layout, device
+_BODY = struct.Struct("<qqqqqqqq16s48sqqq")  # limit, used, prealloc, capacity, device_total, pid, updated_ns,
+#                                               limit_ns, layout, device, peak_used, peak_reset_ns, peak_since_ns
+# The peak fields were appended to the zeroed tail of version 1: a reader that predates them
+# reads every other field where it was, and an older segment shows no peak.
 _SEQ_OFF = 8
 _BODY_OFF = _HEADER.size
 _LIMIT_OFF = _BODY_OFF
 _LIMIT_NS_OFF = _BODY_OFF + 7 * 8
+_PEAK_OFF = _BODY_OFF + 128  # peak_used; then peak_reset_ns (asked by kvctl), peak_since_ns (applied)
+_PEAK_RESET_OFF = _PEAK_OFF + 8
 NO_LIMIT = -1
 
 SHM_DIR = "/dev/shm"
@@ -77,6 +81,9 @@ class MemInfo:
     limit_ns: int
     layout: str
     device: str
+    peak_used: int = 0  # most bytes in use at once since peak_since_ns (each pool's own peak, summed)
+    peak_since_ns: int = 0  # when the engine started, or applied the last `kvctl peak --reset`
+    peak_reset_ns: int = 0  # the last reset asked for; equal to peak_since_ns once applied
 
     @property
     def total_size(self) -> int:
@@ -187,7 +194,8 @@ def _unpack(name: str, buf: Any) -> MemInfo:
         raise ValueError(f"{segment_path(name)} has layout version {version}; this kvcached reads version {VERSION}.")
     f = _BODY.unpack_from(buf, _BODY_OFF)
     return MemInfo(name, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
-                   f[8].rstrip(b"\0").decode(errors="replace"), f[9].rstrip(b"\0").decode(errors="replace"))
+                   f[8].rstrip(b"\0").decode(errors="replace"), f[9].rstrip(b"\0").decode(errors="replace"),
+                   peak_used=f[10], peak_reset_ns=f[11], peak_since_ns=f[12])
 
 
 def _read_consistent(name: str, mm: Any) -> MemInfo:
@@ -271,6 +279,31 @@ def write_limit(name: str, limit_bytes: int) -> MemInfo:
     with _Writer(path, create=False) as w:
         w.write([(_LIMIT_OFF, "<q", (limit_bytes,)), (_LIMIT_NS_OFF, "<q", (time.time_ns(),))])
         return _read_consistent(name, w.mm)
+
+
+def request_peak_reset(name: str) -> int:
+    """Ask the engine that owns ``name`` to start a new peak window (``kvctl peak --reset``); returns the
+    request's timestamp, which the segment's ``peak_since_ns`` shows once the engine applied it."""
+    path = segment_path(name)
+    read_segment(name)  # FileNotFoundError / ValueError before touching anything
+    stamp = time.time_ns()
+    with _Writer(path, create=False) as w:
+        w.write([(_PEAK_RESET_OFF, "<q", (stamp,))])
+    return stamp
+
+
+def wait_peak_reset(name: str, stamp: int, timeout: float = 5.0) -> MemInfo:
+    """Wait until the owner applied the reset ``stamp``; TimeoutError (saying why) if it does not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = read_segment(name)
+        if info.peak_since_ns >= stamp:
+            return info
+        if time.monotonic() > deadline:
+            owner = "is alive" if pid_alive(info.pid) else "is not running"
+            raise TimeoutError(f"{name}: the peak reset was not applied within {timeout:.0f} s (its owner, pid "
+                               f"{info.pid}, {owner}); the engine applies it within {PERIOD} s while it runs.")
+        time.sleep(PERIOD / 4)
 
 
 def delete_segment(name: str) -> bool:
@@ -376,8 +409,9 @@ class Publisher:
                         f"segment {self.path} belongs to the live process {old.pid}; set KVCACHED_IPC_NAME to a "
                         "unique name for this engine."
                     )
+                now = time.time_ns()
                 w.write([(_BODY_OFF, _BODY.format,
-                          (NO_LIMIT, 0, 0, 0, 0, os.getpid(), time.time_ns(), 0, b"", b""))])
+                          (NO_LIMIT, 0, 0, 0, 0, os.getpid(), now, 0, b"", b"", 0, now, now))])
         except (ValueError, OSError) as exc:
             raise KVCachedStateError(
                 f"{self.path} exists and is not a kvcached segment of this version ({exc}); kvcached does not "
@@ -387,8 +421,8 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name=f"kvcached-meminfo-{name}", daemon=True)
         self._thread.start()
 
-    def _snapshot(self) -> tuple[int, int, int, int, str, str]:
-        used = prealloc = capacity = total = 0
+    def _snapshot(self) -> tuple[int, int, int, int, str, str, int]:
+        used = prealloc = capacity = total = peak = 0
         layout = device = ""
         for m in list(self.managers):
             u = m.usage()  # no driver call from this thread (the device total was read at start)
@@ -397,17 +431,23 @@ class Publisher:
             used += u.used
             prealloc += u.prealloc
             capacity += u.capacity
+            peak += u.peak
             total, layout, device = u.device_total, u.layout, u.device
-        return used, prealloc, capacity, total, layout, device
+        return used, prealloc, capacity, total, layout, device, peak
 
     def publish(self, w: _Writer | None = None) -> None:
         if w is None:
             with _Writer(self.path, create=False) as w2:
                 self.publish(w2)
             return
-        used, prealloc, capacity, total, layout, device = self._snapshot()
+        used, prealloc, capacity, total, layout, device, peak = self._snapshot()
         w.write([(_BODY_OFF + 8, "<qqqqqq", (used, prealloc, capacity, total, os.getpid(), time.time_ns())),
-                 (_BODY_OFF + 64, "<16s48s", (layout.encode()[:16], device.encode()[:48]))])
+                 (_BODY_OFF + 64, "<16s48s", (layout.encode()[:16], device.encode()[:48])),
+                 (_PEAK_OFF, "<q", (peak,))])
+
+    def reset_peak(self) -> None:
+        for m in list(self.managers):
+            m.reset_peak()
 
     def apply_limit(self, limit: int) -> None:
         """Split ``limit`` bytes over this process's pools by their capacity; NO_LIMIT lifts the cap."""
@@ -430,7 +470,13 @@ class Publisher:
             info = _unpack(self.name, w.mm)
             if info.limit != self._applied:
                 self.apply_limit(info.limit)
+            ack = []
+            if info.peak_reset_ns > info.peak_since_ns:
+                self.reset_peak()
+                ack = [(_PEAK_RESET_OFF + 8, "<q", (info.peak_reset_ns,))]
             self.publish(w)
+            if ack:  # after the publish: a reader that sees the ack sees the new window's peak
+                w.write(ack)
 
     def _run(self) -> None:
         while not self._stop.is_set():

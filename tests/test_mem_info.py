@@ -109,6 +109,42 @@ def test_kvctl_limit_from_another_process_shrinks_and_regrows(name: str) -> None
     assert _wait(lambda: mem_info.read_segment(name).used_size == 8 * GROUP, 1.0) is not None
 
 
+def test_peak_shows_a_burst_between_two_publishes_and_kvctl_resets_it(name: str) -> None:
+    m = _pool(8)
+    base = m.alloc(512)  # one page stays in use
+    assert base is not None and m.usage().peak == GROUP
+    # a burst that is over long before the next publish: the segment still shows it
+    burst = m.alloc(512 * 4)
+    assert burst is not None
+    m.free(burst)
+    assert m.usage().used == GROUP and m.usage().peak == 5 * GROUP
+    assert _wait(lambda: mem_info.read_segment(name).peak_used == 5 * GROUP, 2.0) is not None
+    r = _kvctl("peak", name, "--json")
+    assert r.returncode == 0, r.stderr
+    assert '"peak_used": %d' % (5 * GROUP) in r.stdout
+
+    # a reset from another process starts a new window at what is in use now, and kvctl waits for it
+    r = _kvctl("peak", name, "--reset")
+    assert r.returncode == 0, r.stderr
+    info = mem_info.read_segment(name)
+    assert info.peak_since_ns == info.peak_reset_ns > 0
+    assert info.peak_used == GROUP and m.usage().peak == GROUP, (info, m.usage())
+    two = m.alloc(512 * 2)
+    assert two is not None
+    m.free(two)
+    assert _wait(lambda: mem_info.read_segment(name).peak_used == 3 * GROUP, 2.0) is not None
+    assert "PEAK" in _kvctl("list", name).stdout
+
+
+def test_kvctl_peak_reset_of_an_engine_that_is_gone_fails_with_a_reason(name: str) -> None:
+    with mem_info._Writer(mem_info.segment_path(name), create=True) as w:
+        w.mm[:mem_info._BODY_OFF] = mem_info._HEADER.pack(mem_info.MAGIC, mem_info.VERSION, 0)
+    stamp = mem_info.request_peak_reset(name)
+    with pytest.raises(TimeoutError, match="not applied"):
+        mem_info.wait_peak_reset(name, stamp, timeout=0.3)
+    assert _kvctl("peak", "kvcached_no_such_segment").returncode == 1
+
+
 def test_limit_percent_uses_device_memory(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "1024")
     m = _pool(8)
@@ -170,11 +206,13 @@ def test_stale_segment_of_a_dead_process_is_taken_over(name: str) -> None:
     dead_pid = int(proc.stdout)
     with mem_info._Writer(mem_info.segment_path(name), create=True) as w:
         w.mm[:mem_info._BODY_OFF] = mem_info._HEADER.pack(mem_info.MAGIC, mem_info.VERSION, 0)
-        w.write([(mem_info._BODY_OFF, mem_info._BODY.format,
-                  (123, 0, 0, 0, 0, dead_pid, 0, 0, b"", b""))])
+        # written as a kvcached from before the peak fields wrote it: they read as zeros
+        w.write([(mem_info._BODY_OFF, "<qqqqqqqq16s48s", (123, 0, 0, 0, 0, dead_pid, 0, 0, b"", b""))])
+    old = mem_info.read_segment(name)
+    assert (old.limit, old.pid, old.peak_used, old.peak_since_ns) == (123, dead_pid, 0, 0)
     _pool(2)
     info = mem_info.read_segment(name)
-    assert info.pid == os.getpid() and info.limit == mem_info.NO_LIMIT
+    assert info.pid == os.getpid() and info.limit == mem_info.NO_LIMIT and info.peak_since_ns > 0
 
 
 def test_cli_utils_round_trip(name: str) -> None:
@@ -191,6 +229,7 @@ def test_manager_usage_and_set_limit_are_what_the_monitor_uses(name: str) -> Non
     m = _pool(8, contiguous=False)
     blocks = m.alloc(512 * 2)
     assert blocks is not None
+    m.page_allocator.stop_prealloc_thread()  # the reserve stays put between the two reads below
     u = m.usage()
     assert u is not None and u.used == 2 * GROUP and u.capacity == 8 * GROUP
     assert u.prealloc == m.page_allocator.num_reserved * GROUP
@@ -205,7 +244,7 @@ def test_manager_usage_and_set_limit_are_what_the_monitor_uses(name: str) -> Non
 def _segment_bytes(pid: int) -> bytes:
     buf = bytearray(mem_info.SEGMENT_BYTES)
     mem_info._HEADER.pack_into(buf, 0, mem_info.MAGIC, mem_info.VERSION, 0)
-    mem_info._BODY.pack_into(buf, mem_info._BODY_OFF, mem_info.NO_LIMIT, 0, 0, 0, 0, pid, 0, 0, b"", b"")
+    mem_info._BODY.pack_into(buf, mem_info._BODY_OFF, mem_info.NO_LIMIT, 0, 0, 0, 0, pid, 0, 0, b"", b"", 0, 0, 0)
     return bytes(buf)
 
 

@@ -3,6 +3,7 @@
     kvctl list [NAME...] [--json]
     kvctl limit NAME SIZE            # 2G, 512M, 1.5GiB, bytes
     kvctl limit-percent NAME PCT     # percent of the device's memory
+    kvctl peak NAME [--reset]        # most KV memory in use at once (--reset: start a new window)
     kvctl watch [-n SEC] [NAME...]
     kvctl delete NAME
 
@@ -38,14 +39,15 @@ def render_table(infos: list[mem_info.MemInfo]) -> str:
     if not infos:
         return "No kvcached instances found."
     head = f"{'NAME':32} {'PID':>8} {'DEVICE':8} {'LAYOUT':10} {'LIMIT':>11} {'USED':>11} {'PREALLOC':>11} " \
-           f"{'CAPACITY':>11} {'USE%':>6}"
+           f"{'PEAK':>11} {'CAPACITY':>11} {'USE%':>6}"
     lines = [head]
     for i in infos:
         pid = f"{i.pid}" if mem_info.pid_alive(i.pid) else f"{i.pid}(dead)"
         limit = "none" if i.limit < 0 else format_size(i.limit)
         pct = 100.0 * i.used_size / i.total_size if i.total_size > 0 else 0.0
         lines.append(f"{i.name:32} {pid:>8} {i.device:8} {i.layout:10} {limit:>11} {format_size(i.used_size):>11} "
-                     f"{format_size(i.prealloc_size):>11} {format_size(i.capacity):>11} {pct:5.1f}%")
+                     f"{format_size(i.prealloc_size):>11} {format_size(i.peak_used):>11} "
+                     f"{format_size(i.capacity):>11} {pct:5.1f}%")
     return "\n".join(lines)
 
 
@@ -123,6 +125,27 @@ def cmd_limit_percent(name: str, percent: float, json_out: bool = False) -> int:
     return _set(name, int(info.device_total * percent / 100.0), json_out)
 
 
+def cmd_peak(name: str, reset: bool = False, json_out: bool = False) -> int:
+    """Print the peak; with ``reset`` first start a new window and wait until the engine applied it."""
+    try:
+        if reset:
+            info = mem_info.wait_peak_reset(name, mem_info.request_peak_reset(name))
+        else:
+            info = mem_info.read_segment(name)
+    except FileNotFoundError:
+        return _missing(name, json_out)
+    except (ValueError, TimeoutError) as exc:
+        return _fail(str(exc), json_out)
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.peak_since_ns / 1e9))
+    if json_out:
+        print(json.dumps({"ok": True, "name": name, "peak_used": info.peak_used, "used_size": info.used_size,
+                          "peak_since_ns": info.peak_since_ns}))
+    else:
+        print(f"{name}: peak {format_size(info.peak_used)} ({info.peak_used} B) since {since}; "
+              f"in use now {format_size(info.used_size)}")
+    return 0
+
+
 def cmd_delete(name: str, json_out: bool = False) -> int:
     try:
         info = get_kv_cache_limit(name)
@@ -170,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("percent", type=float)
     s.add_argument("--json", action="store_true", dest="json_sub")
+    s = sub.add_parser("peak", help="most KV memory in use at once; --reset starts a new window")
+    s.add_argument("name")
+    s.add_argument("--reset", action="store_true", help="start a new window (waits until the engine applied it)")
+    s.add_argument("--json", action="store_true", dest="json_sub")
     s = sub.add_parser("watch", help="refresh the list every interval")
     s.add_argument("-n", "--interval", type=float, default=1.0)
     s.add_argument("--count", type=int, default=0, help="stop after this many frames (0: until Ctrl-C)")
@@ -196,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_limit(args.name, args.size, js)
     if args.command == "limit-percent":
         return cmd_limit_percent(args.name, args.percent, js)
+    if args.command == "peak":
+        return cmd_peak(args.name, args.reset, js)
     if args.command == "watch":
         return cmd_watch(args.interval, args.names, js, args.count)
     return cmd_delete(args.name, js)

@@ -135,6 +135,19 @@ def _watch_peak(llm: object) -> list:
     return peak
 
 
+def _segment_peak(name: str | None, reset: bool = False) -> int | None:
+    """The engine's own high-water mark of KV bytes in use, from its segment (any process layout);
+    ``reset`` starts a new window first, as ``kvctl peak --reset`` does."""
+    if not name:
+        return None
+    from kvcached import mem_info
+
+    if reset:
+        return mem_info.wait_peak_reset(name, mem_info.request_peak_reset(name)).peak_used
+    time.sleep(2 * mem_info.PERIOD)  # the engine publishes once a period
+    return mem_info.read_segment(name).peak_used
+
+
 def _wait_for(path: str | None, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while path and not os.path.exists(path):
@@ -170,6 +183,7 @@ def main() -> None:
     sampler = Sampler(spec.get("ipc_name"))
     idle_before = sampler.read()
     peak = _watch_peak(llm)
+    _segment_peak(spec.get("ipc_name"), reset=True)  # the window starts at the idle engine
     prompts = _prompts(spec)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
                             detokenize=not spec.get("skip_tokenizer_init", False), logprobs=spec.get("logprobs"))
@@ -200,6 +214,7 @@ def main() -> None:
             record["used_after"] = sampler.read()
             record["t1"] = time.time()
             phases.append(record)
+        segment_peak = _segment_peak(spec.get("ipc_name"))
         if spec.get("prompt_logprobs"):
             tp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=int(spec["prompt_logprobs"]))
             teacher = _teacher_forced(llm.generate(prompts, tp, use_tqdm=False))
@@ -237,6 +252,7 @@ def main() -> None:
         "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
         "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
+        "segment_peak": segment_peak,
         "runner": type(runner).__module__ if backend else None,
     }), flush=True)
 
