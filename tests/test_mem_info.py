@@ -121,7 +121,7 @@ def test_peak_shows_a_burst_between_two_publishes_and_kvctl_resets_it(name: str)
     assert _wait(lambda: mem_info.read_segment(name).peak_used == 5 * GROUP, 2.0) is not None
     r = _kvctl("peak", name, "--json")
     assert r.returncode == 0, r.stderr
-    assert '"peak_used": %d' % (5 * GROUP) in r.stdout
+    assert f'"peak_used": {5 * GROUP}' in r.stdout
 
     # a reset from another process starts a new window at what is in use now, and kvctl waits for it
     r = _kvctl("peak", name, "--reset")
