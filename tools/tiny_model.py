@@ -25,8 +25,13 @@ CORPUS = [
 
 
 def make_tiny_llama(path: str | Path, *, seed: int = 0, vocab_size: int = 384, hidden_size: int = 128,
-                    num_heads: int = 4, num_kv_heads: int = 2, num_layers: int = 2) -> Path:
-    """Write config, random weights and tokenizer to ``path``; returns it."""
+                    num_heads: int = 4, num_kv_heads: int = 2, num_layers: int = 2,
+                    sliding_window: int | None = None) -> Path:
+    """Write config, random weights and tokenizer to ``path``; returns it.
+
+    ``sliding_window``: every other layer (the even ones) attends to that many tokens only, as
+    ``layer_types`` declares it (gpt-oss, Gemma 2/3 style): vLLM then forms two KV cache groups.
+    """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -59,6 +64,9 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, vocab_size: int = 384, h
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
     )
+    if sliding_window is not None:
+        config.sliding_window = sliding_window
+        config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     # Larger weights than the default init make the logits peaked enough that

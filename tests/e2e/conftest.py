@@ -48,3 +48,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Four layers, the even ones with a 32-token sliding window: vLLM forms two KV cache groups."""
+    sys.path.insert(0, str(HERE))
+    from tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_swa"), num_layers=4, sliding_window=32))

@@ -227,6 +227,7 @@ def main() -> None:
     backend = None
     cached_blocks = None
     kv_planned = None
+    kv_groups = None
     try:
         core = llm.llm_engine.engine_core.engine_core
         worker = core.model_executor.driver_worker.worker
@@ -235,6 +236,7 @@ def main() -> None:
         backend = runner.attn_groups[0][0].backend.get_name()
         pool = core.scheduler.kv_cache_manager.block_pool
         pool_kind = type(pool).__name__
+        kv_groups = [type(g.kv_cache_spec).__name__ for g in core.scheduler.kv_cache_config.kv_cache_groups]
         if pool_kind == "KVCachedBlockPool":
             cached_blocks = pool.free_block_queue.num_free_blocks  # ours holds only cached blocks
     except Exception as exc:  # only diagnostics
@@ -252,7 +254,7 @@ def main() -> None:
         "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
         "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
-        "segment_peak": segment_peak,
+        "segment_peak": segment_peak, "kv_groups": kv_groups,
         "runner": type(runner).__module__ if backend else None,
     }), flush=True)
 

@@ -7,6 +7,8 @@ block, so page 0 is mapped from the start.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ def _make_pool(monkeypatch: pytest.MonkeyPatch, max_cached_tokens: int = -1):
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
     monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
     monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", str(max_cached_tokens))
-    monkeypatch.setenv("KVCACHED_IPC_NAME", "kvcached_e2e_pool_unit")
+    monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_e2e_pool_unit_{os.getpid()}")  # runs at once never collide
     interfaces.init_kvcached(device="cpu", contiguous_layout=True)
     _, meta = interfaces.alloc_kv_cache((8, BLOCK, CELL), BLOCK, torch.uint8, "cpu", LAYERS, attention_type="MLA",
                                         return_meta=True)

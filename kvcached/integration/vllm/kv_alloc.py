@@ -105,29 +105,84 @@ def ensure_initialized(device: Any, contiguous_layout: bool | None = None) -> No
                              contiguous_layout=contiguous_layout)
 
 
-def the_attention_spec(kv_cache_config: Any) -> Any:
-    """The one attention spec of a single-group model; a clear refusal for anything else."""
+@dataclass(frozen=True)
+class Slots:
+    """Where vLLM puts each layer's pages, in kvcached's terms.
+
+    vLLM lays a model's KV cache out as ``num_slots`` page-sized places per block; the
+    layers of different KV cache groups (full and sliding-window attention, say) share
+    a slot, which is sound because a block id belongs to one group at a time. kvcached
+    places ``num_slots`` "layers" and hands every layer its slot's pages.
+    """
+
+    page_bytes: int
+    block_size: int  # of the first group; every group's blocks have page_bytes per slot
+    num_slots: int
+    slot_of: dict[str, int]  # layer name -> slot
+    spec_of: dict[str, Any]  # layer name -> its KV cache spec
+    group_of: dict[str, int]  # layer name -> KV cache group id
+
+
+def _layer_specs(kv_cache_config: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    specs: dict[str, Any] = {}
+    groups: dict[str, int] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        for name in group.layer_names:
+            specs[name] = per_layer[name] if per_layer is not None else group.kv_cache_spec
+            groups[name] = gid
+    return specs, groups
+
+
+def layer_slots(kv_cache_config: Any) -> Slots:
+    """Each layer's slot, or a clear refusal for a cache kvcached cannot place."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+    specs, groups = _layer_specs(kv_cache_config)
+    for name, spec in specs.items():
+        if not isinstance(spec, AttentionSpec) or not getattr(spec, "has_layer_views", True):
+            raise KVCachedConfigError(
+                f"kvcached places attention KV caches; layer {name} keeps a {type(spec).__name__}. "
+                "Unset ENABLE_KVCACHED to run this model without kvcached."
+            )
+        if getattr(spec, "page_size_padded", None) is not None:
+            raise KVCachedConfigError(
+                f"kvcached does not place padded KV pages (layer {name}: page_size_padded={spec.page_size_padded}); "
+                "unset ENABLE_KVCACHED for this model."
+            )
+    pages = {spec.page_size_bytes for spec in specs.values()}
+    if len(pages) != 1:
         raise KVCachedConfigError(
-            f"kvcached supports models whose layers form one KV cache group; this model has {len(groups)} "
-            f"({kinds}). Unset ENABLE_KVCACHED to run it without kvcached."
+            f"kvcached needs every KV cache group to use the same bytes per block; this model's groups use "
+            f"{sorted(pages)}. Unset ENABLE_KVCACHED to run it without kvcached."
         )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec) or not getattr(spec, "has_layer_views", True):
-        raise KVCachedConfigError(
-            f"kvcached supports attention KV caches; this model's cache is {type(spec).__name__}. "
-            "Unset ENABLE_KVCACHED to run it without kvcached."
-        )
-    if getattr(spec, "page_size_padded", None) is not None:
-        raise KVCachedConfigError(
-            f"kvcached does not support padded KV pages (page_size_padded={spec.page_size_padded}); "
-            "unset ENABLE_KVCACHED for this model."
-        )
-    return spec
+    page = pages.pop()
+    num_blocks = kv_cache_config.num_blocks
+    slot_of: dict[str, int] = {}
+    tensors = kv_cache_config.kv_cache_tensors
+    if tensors and hasattr(tensors[0], "shared_by"):  # vLLM <= 0.28: one tensor per slot
+        for idx, t in enumerate(tensors):
+            if getattr(t, "block_stride", 0) or t.size != num_blocks * page:
+                raise KVCachedConfigError(
+                    f"vLLM packs this model's KV cache ({t}); kvcached places one tensor of {num_blocks} pages of "
+                    f"{page} B per slot. Unset ENABLE_KVCACHED to run it without kvcached."
+                )
+            slot_of.update((name, idx) for name in t.shared_by)
+    else:  # vLLM >= 0.29: layers at offset + j * layer_stride of one backing allocation; groups overlay
+        starts = {name: t.offset + j * t.layer_stride for t in tensors for j, name in enumerate(t.layers)}
+        order = {addr: idx for idx, addr in enumerate(sorted(set(starts.values())))}
+        slot_of = {name: order[addr] for name, addr in starts.items()}
+        sizes = {t.size for t in tensors}
+        if sizes != {len(order) * num_blocks * page}:
+            raise KVCachedConfigError(
+                f"vLLM lays this model's KV cache out in {sizes} B for {len(order)} slots of {num_blocks} pages of "
+                f"{page} B; kvcached places only that. Unset ENABLE_KVCACHED to run it without kvcached."
+            )
+    missing = sorted(set(specs) - set(slot_of))
+    if missing:
+        raise KVCachedConfigError(f"vLLM gave no KV cache tensor to layers {missing}; this is a kvcached bug.")
+    first = kv_cache_config.kv_cache_groups[0].layer_names[0]
+    return Slots(page, specs[first].block_size, len(set(slot_of.values())), slot_of, specs, groups)
 
 
 def capacity_bytes(num_layers: int) -> int:
@@ -180,25 +235,25 @@ def allocate_kv_cache(kv_cache_config: Any, device: torch.device, layout: Any,
     if plain() and vllm_allocate_kv_cache is not None:
         return vllm_allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)
     ensure_initialized(device, settings.contiguous_layout())
-    spec = the_attention_spec(kv_cache_config)
+    slots = layer_slots(kv_cache_config)
     if not layout.is_block_compact:
         raise KVCachedConfigError(
             f"kvcached needs a KV layout whose pages are dense per (layer, block); vLLM resolved {layout.name}. "
             "Set VLLM_KV_CACHE_LAYOUT=LBHNC (or another layout starting with L and B)."
         )
-    layer_names = [name for t in kv_cache_config.kv_cache_tensors for name in t.layers]
-    num_blocks = kv_cache_config.num_blocks
-    page_bytes = spec.page_size_bytes
-    cell = _cell(page_bytes, spec.block_size, 1)
-    views, _, _ = _place(num_blocks, spec.block_size, cell, len(layer_names), 1, device)
-    kbs = kernel_block_sizes[0] if kernel_block_sizes else None
+    num_blocks, page_bytes = kv_cache_config.num_blocks, slots.page_bytes
+    cell = _cell(page_bytes, slots.block_size, 1)
+    views, _, _ = _place(num_blocks, slots.block_size, cell, slots.num_slots, 1, device)
     out: dict[str, torch.Tensor] = {}
-    for idx, name in enumerate(layer_names):
-        base = views[idx]  # (blocks, block_size, cell) uint8, block stride set by kvcached's layout
+    for name, slot in slots.slot_of.items():
+        base = views[slot]  # (blocks, block_size, cell) uint8, block stride set by kvcached's layout
         raw = torch.as_strided(base, (1,), (1,), 0)  # the whole virtual tensor, offset 0
         place = KVCacheTensor(size=page_bytes * num_blocks, layers=[name], layer_stride=page_bytes,
                               block_stride=base.stride(0), offset=base.storage_offset())
-        out[name] = create_kv_cache_views(raw, spec, num_blocks, layout, place, kernel_block_size=kbs)[0]
+        gid = slots.group_of[name]
+        kbs = kernel_block_sizes[gid] if kernel_block_sizes and gid < len(kernel_block_sizes) else None
+        out[name] = create_kv_cache_views(raw, slots.spec_of[name], num_blocks, layout, place,
+                                          kernel_block_size=kbs)[0]
     return out
 
 
@@ -267,7 +322,7 @@ def build_views(attn_groups: Iterable[Any], kernel_block_sizes: list[int], cache
     ``skip``: layers that share another layer's cache (vLLM aliases them afterwards).
     """
     ensure_initialized(device, settings.contiguous_layout())
-    spec = the_attention_spec(kv_cache_config)
+    slots = layer_slots(kv_cache_config)
     skipped = set(skip)
     layers: list[tuple[str, Any, int]] = []  # (name, backend, kernel block size)
     for group in attn_groups:
@@ -277,32 +332,37 @@ def build_views(attn_groups: Iterable[Any], kernel_block_sizes: list[int], cache
         layers += [(name, group.backend, kbs) for name in group.layer_names if name not in skipped]
     if not layers:
         return {}
-    num_blocks, bs, page_bytes = kv_cache_config.num_blocks, spec.block_size, spec.page_size_bytes
+    num_blocks, page_bytes = kv_cache_config.num_blocks, slots.page_bytes
     forms = {}
-    for _, backend, kbs in layers:
-        if (backend, kbs) not in forms:
-            if bs % kbs:
-                raise KVCachedConfigError(f"vLLM block size {bs} is not a multiple of the kernel block size {kbs}.")
-            forms[backend, kbs] = physical_form(backend, num_blocks * (bs // kbs), kbs, spec.num_kv_heads,
-                                                spec.head_size, cache_dtype)
+    for name, backend, kbs in layers:
+        spec = slots.spec_of[name]
+        key = (backend, kbs, spec.block_size, spec.num_kv_heads, spec.head_size)
+        if key not in forms:
+            if spec.block_size % kbs:
+                raise KVCachedConfigError(
+                    f"vLLM block size {spec.block_size} is not a multiple of the kernel block size {kbs}.")
+            forms[key] = physical_form(backend, num_blocks * (spec.block_size // kbs), kbs, spec.num_kv_heads,
+                                       spec.head_size, cache_dtype)
     kv_factors = {f.kv_factor for f in forms.values()}
     if len(kv_factors) != 1:
         raise KVCachedConfigError("kvcached needs every attention layer of a model to lay its cache out alike.")
     kv = kv_factors.pop()
-    dtype = spec.dtype
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    _, meta, _ = _place(num_blocks, bs, _cell(page_bytes, bs, kv), len(layers), kv, device)
+    _, meta, _ = _place(num_blocks, slots.block_size, _cell(page_bytes, slots.block_size, kv), slots.num_slots,
+                        kv, device)
     geom, raws = meta["geometry"], meta["raw_kv_tensors"]
     out: dict[str, torch.Tensor] = {}
-    for idx, (name, backend, kbs) in enumerate(layers):
-        form = forms[backend, kbs]
-        ratio = bs // kbs
-        st = geom.layer_strides(idx)  # bytes: the geometry's dtype is uint8
+    for name, backend, kbs in layers:
+        spec = slots.spec_of[name]
+        form = forms[backend, kbs, spec.block_size, spec.num_kv_heads, spec.head_size]
+        dtype = spec.dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        ratio = spec.block_size // kbs
+        st = geom.layer_strides(slots.slot_of[name])  # bytes: the geometry's dtype is uint8
         kernel_block_bytes = page_bytes // kv // ratio
         if ratio > 1 and st.block_stride != ratio * kernel_block_bytes:
             raise KVCachedConfigError(
-                f"vLLM splits blocks of {bs} tokens into kernel blocks of {kbs}, which needs blocks dense per "
-                "layer; set KVCACHED_CONTIGUOUS_LAYOUT=false."
+                f"vLLM splits blocks of {spec.block_size} tokens into kernel blocks of {kbs}, which needs blocks "
+                "dense per layer; set KVCACHED_CONTIGUOUS_LAYOUT=false."
             )
         strides = [0] * len(form.shape)
         strides[form.block_dim + 1:] = _dense_strides(form.shape[form.block_dim + 1:])
