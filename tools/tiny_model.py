@@ -80,3 +80,40 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, vocab_size: int = 384, h
     cfg["torch_dtype"] = "float32"
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+def make_tiny_mamba_hybrid(path: str | Path, *, seed: int = 0) -> Path:
+    """Mamba2 and attention layers in turn (a dense Granite-4.0-H), random weights, the same tokenizer.
+
+    vLLM forms a Mamba group and an attention group and pads each Mamba state page up to the
+    attention page, so the two share kvcached's slots. Layers: 0 and 2 Mamba2, 1 and 3 attention.
+    """
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    path = Path(path)
+    make_tiny_llama(path, seed=seed)  # the tokenizer (its Llama weights are replaced below)
+    for stale in path.glob("*.safetensors"):
+        stale.unlink()
+    llama = json.loads((path / "config.json").read_text())
+    config = GraniteMoeHybridConfig(
+        vocab_size=llama["vocab_size"], hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=llama["bos_token_id"], eos_token_id=llama["eos_token_id"], pad_token_id=None,
+        tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"] * 2,
+        num_local_experts=0, num_experts_per_tok=0, shared_intermediate_size=256, position_embedding_type="rope",
+        mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=64,
+    )
+    torch.manual_seed(seed)
+    model = GraniteMoeHybridForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["torch_dtype"] = "float32"
+    cfg.pop("time_step_limit", None)  # (0, inf): JSON has no infinity, and it is the default anyway
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path

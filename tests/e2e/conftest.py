@@ -57,3 +57,12 @@ def tiny_swa_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_swa"), num_layers=4, sliding_window=32))
+
+
+@pytest.fixture(scope="session")
+def tiny_mamba_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Mamba2 and attention layers in turn: a Mamba state group and an attention group."""
+    sys.path.insert(0, str(HERE))
+    from tiny_model import make_tiny_mamba_hybrid
+
+    return str(make_tiny_mamba_hybrid(tmp_path_factory.mktemp("tiny_mamba")))

@@ -16,7 +16,10 @@ REPO = HERE.parent.parent
 
 # vLLM releases installed beside the venv's own (``pip install --target``; see scripts/dev.sh), put first on an
 # engine's path by ``engine_env(vllm=...)``: the supported range's other end runs in CI too.
+# KVCACHED_E2E_VLLM_RANGE=1 adds every release between (``bash scripts/dev.sh range`` installs and runs them).
 VLLM_OVERLAYS = {"0.27.0": REPO / ".venv-vllm027"}
+if os.environ.get("KVCACHED_E2E_VLLM_RANGE") == "1":
+    VLLM_OVERLAYS.update({f"0.{minor}.0": REPO / f".venv-vllm0{minor}" for minor in (28, 29, 30, 31)})
 LOGPROB_TOL = 0.06  # bf16: two correct attention kernels differ by rounding only
 
 

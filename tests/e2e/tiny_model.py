@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tools.tiny_model import CORPUS
+from tools.tiny_model import CORPUS, make_tiny_mamba_hybrid
 from tools.tiny_model import make_tiny_llama as make_tiny_model
 
-__all__ = ["BURST_PROMPTS", "CORPUS", "LONG_PROMPTS", "PROMPTS", "make_tiny_model"]
+__all__ = ["BURST_PROMPTS", "CORPUS", "LONG_PROMPTS", "PROMPTS", "make_tiny_mamba_hybrid", "make_tiny_model"]
 
 PROMPTS = [
     "The quick brown fox",

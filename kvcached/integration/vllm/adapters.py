@@ -198,6 +198,14 @@ def register_attention_backend(name: str, path: str) -> None:
     meta.__getitem__ = _mark(__getitem__)
 
 
+def _install_zeroer(module: Any) -> None:
+    """vLLM's block zeroer reads a layer's block stride as its page size (see :mod:`kv_zero`)."""
+    if getattr(module, "KVBlockZeroer", None) is not None and not _hooked(module.KVBlockZeroer):
+        from kvcached.integration.vllm.kv_zero import SlotZeroer
+
+        module.KVBlockZeroer = _mark(SlotZeroer)
+
+
 def install_kv_allocation(version: str, release: tuple[int, ...]) -> str:
     """Hook KV allocation in both model runners of this vLLM version; returns the adapter's name."""
     import vllm.v1.worker.gpu_model_runner as gmr
@@ -213,5 +221,12 @@ def install_kv_allocation(version: str, release: tuple[int, ...]) -> str:
         if attn_utils is not None and hasattr(attn_utils, "allocate_kv_cache"):
             _install_views(attn_utils, version)
     _install_profiling_cache(gmr)
+    _install_zeroer(gmr)
+    try:
+        import vllm.v1.worker.gpu.model_runner as new_runner
+    except ImportError:
+        new_runner = None
+    if new_runner is not None:
+        _install_zeroer(new_runner)
     logger.debug("kvcached: vLLM %s KV allocation hooked (%s adapter)", version, gen)
     return gen

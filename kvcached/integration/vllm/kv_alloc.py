@@ -29,7 +29,7 @@ import torch
 
 from kvcached import vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
-from kvcached.integration.vllm import interfaces, settings
+from kvcached.integration.vllm import interfaces, kv_zero, settings
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -95,6 +95,7 @@ def reset() -> None:
     with _lock:
         _pool_info = None
         _memory_cap = None
+    kv_zero.reset()
 
 
 def ensure_initialized(device: Any, contiguous_layout: bool | None = None) -> None:
@@ -136,16 +137,17 @@ def _layer_specs(kv_cache_config: Any) -> tuple[dict[str, Any], dict[str, int]]:
 
 def layer_slots(kv_cache_config: Any) -> Slots:
     """Each layer's slot, or a clear refusal for a cache kvcached cannot place."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     specs, groups = _layer_specs(kv_cache_config)
     for name, spec in specs.items():
-        if not isinstance(spec, AttentionSpec) or not getattr(spec, "has_layer_views", True):
+        if not isinstance(spec, (AttentionSpec, MambaSpec)) or not getattr(spec, "has_layer_views", True):
             raise KVCachedConfigError(
-                f"kvcached places attention KV caches; layer {name} keeps a {type(spec).__name__}. "
+                f"kvcached places attention KV caches and Mamba state; layer {name} keeps a {type(spec).__name__}. "
                 "Unset ENABLE_KVCACHED to run this model without kvcached."
             )
-        if getattr(spec, "page_size_padded", None) is not None:
+        # vLLM pads a Mamba state page up to the attention page: the padding is just the slot's unused tail
+        if isinstance(spec, AttentionSpec) and getattr(spec, "page_size_padded", None) is not None:
             raise KVCachedConfigError(
                 f"kvcached does not place padded KV pages (layer {name}: page_size_padded={spec.page_size_padded}); "
                 "unset ENABLE_KVCACHED for this model."
@@ -219,6 +221,7 @@ def _place(num_blocks: int, block_size: int, cell: int, num_layers: int, kv_fact
         )
     with _lock:
         _pool_info = PoolInfo(num_blocks, block_size, cell, num_layers, group_id, kv_factor)
+    kv_zero.record(meta["geometry"], meta["raw_kv_tensors"])
     logger.info("kvcached: %d layers x %d virtual blocks of %d B in the %s layout on %s", num_layers, num_blocks,
                 block_size * cell * kv_factor, vmm_ops.runtime().layout.value, device)
     return views, meta, group_id
@@ -333,6 +336,8 @@ def build_views(attn_groups: Iterable[Any], kernel_block_sizes: list[int], cache
     if not layers:
         return {}
     num_blocks, page_bytes = kv_cache_config.num_blocks, slots.page_bytes
+    states = [(name, backend, kbs) for name, backend, kbs in layers if _is_state(slots.spec_of[name])]
+    layers = [layer for layer in layers if layer not in states]
     forms = {}
     for name, backend, kbs in layers:
         spec = slots.spec_of[name]
@@ -343,10 +348,12 @@ def build_views(attn_groups: Iterable[Any], kernel_block_sizes: list[int], cache
                     f"vLLM block size {spec.block_size} is not a multiple of the kernel block size {kbs}.")
             forms[key] = physical_form(backend, num_blocks * (spec.block_size // kbs), kbs, spec.num_kv_heads,
                                        spec.head_size, cache_dtype)
-    kv_factors = {f.kv_factor for f in forms.values()}
+    kv_factors = {f.kv_factor for f in forms.values()} or {1}
     if len(kv_factors) != 1:
         raise KVCachedConfigError("kvcached needs every attention layer of a model to lay its cache out alike.")
-    kv = kv_factors.pop()
+    # A Mamba state page shares its slot with an attention page, whole: K and V then stay inside the page
+    # (vLLM's own hybrid layout, blocks first), not in kvcached's two buffers.
+    kv = 1 if states else kv_factors.pop()
     _, meta, _ = _place(num_blocks, slots.block_size, _cell(page_bytes, slots.block_size, kv), slots.num_slots,
                         kv, device)
     geom, raws = meta["geometry"], meta["raw_kv_tensors"]
@@ -359,6 +366,12 @@ def build_views(attn_groups: Iterable[Any], kernel_block_sizes: list[int], cache
         ratio = spec.block_size // kbs
         st = geom.layer_strides(slots.slot_of[name])  # bytes: the geometry's dtype is uint8
         kernel_block_bytes = page_bytes // kv // ratio
+        if ratio > 1 and form.kv_factor != kv:
+            raise KVCachedConfigError(
+                f"{name}: vLLM splits blocks of {spec.block_size} tokens into kernel blocks of {kbs} for a K/V-first "
+                "backend in a model with Mamba state; kvcached cannot place that. Choose a blocks-first attention "
+                "backend or unset ENABLE_KVCACHED."
+            )
         if ratio > 1 and st.block_stride != ratio * kernel_block_bytes:
             raise KVCachedConfigError(
                 f"vLLM splits blocks of {spec.block_size} tokens into kernel blocks of {kbs}, which needs blocks "
@@ -368,8 +381,18 @@ def build_views(attn_groups: Iterable[Any], kernel_block_sizes: list[int], cache
         strides[form.block_dim + 1:] = _dense_strides(form.shape[form.block_dim + 1:])
         strides[form.block_dim] = st.block_stride // ratio // itemsize
         if form.kv_factor == 2:
-            strides[0] = st.kv_stride // itemsize
+            strides[0] = (st.kv_stride if kv == 2 else page_bytes // 2) // itemsize
         phys = torch.as_strided(raws[st.tensor].view(dtype), form.shape, strides, st.offset // itemsize)
         inverse = [form.order.index(i) for i in range(len(form.order))]
         out[name] = phys.permute(*inverse)
+    for name, _, _ in states:  # as vLLM views them: one page of bytes per block, unpacked by the layer
+        st = geom.layer_strides(slots.slot_of[name])
+        out[name] = torch.as_strided(raws[st.tensor].view(torch.int8), (num_blocks, 1, 1, page_bytes),
+                                     (st.block_stride, page_bytes, page_bytes, 1), st.offset)
     return out
+
+
+def _is_state(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
