@@ -1,11 +1,40 @@
 #include "backend.h"
 
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 namespace kvc {
 
 void log_warning(const std::string& msg) noexcept {
   std::fprintf(stderr, "[kvcached._vmm] warning: %s\n", msg.c_str());
+}
+
+std::string errno_text(int err) {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 32))
+  const char* name = strerrorname_np(err);
+  if (name) return std::string(name) + " (" + std::to_string(err) + ", " + std::strerror(err) + ")";
+#endif
+  return std::string(std::strerror(err)) + " (" + std::to_string(err) + ")";
+}
+
+[[noreturn]] void throw_errno(const char* call, int err) {
+  ErrKind k = (err == ENOMEM || err == ENOSPC) ? ErrKind::OutOfMemory : ErrKind::Driver;
+  throw Error(k, std::string(call) + " failed: " + errno_text(err));
+}
+
+uintptr_t reserve_host_va(size_t size, size_t align) {
+  size_t total = size + align;
+  void* p = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) throw_errno("mmap(reserve)", errno);
+  uintptr_t raw = reinterpret_cast<uintptr_t>(p);
+  uintptr_t aligned = (raw + align - 1) / align * align;
+  if (aligned > raw) munmap(p, aligned - raw);
+  size_t tail = raw + total - (aligned + size);
+  if (tail) munmap(reinterpret_cast<void*>(aligned + size), tail);
+  return aligned;
 }
 
 void Backend::unmap_mappings(uintptr_t ptr, const std::vector<size_t>& sizes, size_t* done) {
@@ -89,9 +118,10 @@ std::shared_ptr<Backend> make_backend(const std::string& kind, int device, size_
   if (device < 0) throw_value("device must be >= 0, got " + std::to_string(device) + ".");
   if (kind == "host" || kind == "cpu") return make_host_backend(host_limit_bytes, device, shm_name);
   if (!shm_name.empty()) throw_value("shm_name only applies to the host backend, not '" + kind + "'.");
+  if (kind == "null") return make_null_backend(device, host_limit_bytes);
   if (kind == "cuda") return make_cuda_backend(device);
   if (kind == "hip" || kind == "rocm") return make_hip_backend(device);
-  throw_value("unknown backend '" + kind + "'; use 'cuda', 'hip' or 'host'.");
+  throw_value("unknown backend '" + kind + "'; use 'cuda', 'hip', 'host' or 'null'.");
 }
 
 }  // namespace kvc

@@ -108,7 +108,14 @@ std::shared_ptr<Backend> make_backend(const std::string& kind, int device, size_
                                       const std::string& shm_name = "");
 std::shared_ptr<Backend> make_host_backend(size_t limit, int device = 0, const std::string& shm_name = "");
 std::shared_ptr<Backend> make_cuda_backend(int device);
+// Address space without memory, `budget` bytes of pretend physical memory (see backend_null.cpp).
+std::shared_ptr<Backend> make_null_backend(int device, size_t budget);
 std::shared_ptr<Backend> make_hip_backend(int device);
 size_t host_resident_bytes(Backend& b);
+
+// Host helpers shared by the host and null backends.
+std::string errno_text(int err);
+[[noreturn]] void throw_errno(const char* call, int err);
+uintptr_t reserve_host_va(size_t size, size_t align);  // PROT_NONE, aligned to `align`
 
 }  // namespace kvc

@@ -18,19 +18,6 @@
 namespace kvc {
 namespace {
 
-std::string errno_text(int err) {
-#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 32))
-  const char* name = strerrorname_np(err);
-  if (name) return std::string(name) + " (" + std::to_string(err) + ", " + std::strerror(err) + ")";
-#endif
-  return std::string(std::strerror(err)) + " (" + std::to_string(err) + ")";
-}
-
-[[noreturn]] void throw_errno(const char* call, int err) {
-  ErrKind k = (err == ENOMEM || err == ENOSPC) ? ErrKind::OutOfMemory : ErrKind::Driver;
-  throw Error(k, std::string(call) + " failed: " + errno_text(err));
-}
-
 [[noreturn]] void throw_invalid(const char* call, const std::string& why) {
   throw Error(ErrKind::Driver, std::string(call) + " failed: EINVAL (" + why + ")");
 }
@@ -52,15 +39,7 @@ class HostBackend final : public Backend {
 
   uintptr_t reserve(size_t size) override {
     check_aligned("reserve size", size);
-    size_t total = size + granularity;
-    void* p = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) throw_errno("mmap(reserve)", errno);
-    uintptr_t raw = reinterpret_cast<uintptr_t>(p);
-    uintptr_t aligned = (raw + granularity - 1) / granularity * granularity;
-    if (aligned > raw) munmap(p, aligned - raw);
-    size_t tail = raw + total - (aligned + size);
-    if (tail) munmap(reinterpret_cast<void*>(aligned + size), tail);
-    return aligned;
+    return reserve_host_va(size, granularity);
   }
 
   void free_va(uintptr_t ptr, size_t size) noexcept override {

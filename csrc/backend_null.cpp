@@ -6,6 +6,7 @@
 // behind the addresses (PROT_NONE, so a stray read faults instead of returning garbage).
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cerrno>
 #include <map>
 #include <mutex>
@@ -13,9 +14,6 @@
 #include "backend.h"
 
 namespace kvc {
-
-std::string errno_text(int err);
-[[noreturn]] void throw_errno(const char* what, int err);
 
 namespace {
 
@@ -30,15 +28,7 @@ class NullBackend final : public Backend {
 
   uintptr_t reserve(size_t size) override {
     check_aligned("reserve size", size);
-    size_t total = size + granularity;
-    void* p = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) throw_errno("mmap(reserve)", errno);
-    uintptr_t raw = reinterpret_cast<uintptr_t>(p);
-    uintptr_t aligned = (raw + granularity - 1) / granularity * granularity;
-    if (aligned > raw) munmap(p, aligned - raw);
-    size_t tail = raw + total - (aligned + size);
-    if (tail) munmap(reinterpret_cast<void*>(aligned + size), tail);
-    return aligned;
+    return reserve_host_va(size, granularity);
   }
 
   void free_va(uintptr_t ptr, size_t size) noexcept override {
@@ -72,7 +62,7 @@ class NullBackend final : public Backend {
 
   void map(uintptr_t, size_t, Handle h, size_t) override {
     std::lock_guard<std::mutex> lk(mu_);
-    if (sizes_.find(h) == sizes_.end()) throw_invalid("null map", "unknown allocation handle");
+    if (sizes_.find(h) == sizes_.end()) throw Error(ErrKind::Driver, "null map failed: EINVAL (unknown allocation handle)");
   }
   void unmap(uintptr_t, size_t) override {}
   void set_access(uintptr_t, size_t) override {}

@@ -1,4 +1,4 @@
-"""Which native backend a device string means: ``cuda``, ``hip`` or ``host``."""
+"""Which native backend a device string means: ``cuda``, ``hip`` or ``host`` (and ``null``, internal)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from kvcached.errors import KVCachedConfigError
 
 @dataclass(frozen=True)
 class BackendChoice:
-    kind: str  # cuda | hip | host
-    index: int  # device ordinal (0 for host)
+    kind: str  # cuda | hip | host | null (address space only: a TP scheduler's bookkeeping)
+    index: int  # device ordinal (0 for host and null)
 
     @property
     def torch_device(self) -> str:
         """The device string torch uses for tensors of this backend."""
-        return "cpu" if self.kind == "host" else f"cuda:{self.index}"
+        return "cpu" if self.kind in ("host", "null") else f"cuda:{self.index}"
 
 
 def _torch_is_hip() -> bool:
@@ -29,6 +29,8 @@ def _torch_is_hip() -> bool:
 def parse_device(device: Any) -> tuple[str, int]:
     """``'cuda'``, ``'cuda:1'``, ``'hip:0'``, ``'cpu'`` or a ``torch.device`` -> (type, index)."""
     text = str(device).strip().lower()
+    if text == "null":  # the scheduler side of a tensor-parallel engine (integration/vllm/tp.py)
+        return "null", 0
     kind, _, idx = text.partition(":")
     if kind not in ("cuda", "hip", "cpu"):
         raise KVCachedConfigError(
@@ -49,6 +51,8 @@ def choose_backend(device: Any) -> BackendChoice:
     ``KVCACHED_BACKEND=cuda|hip|host`` overrides the choice.
     """
     kind, index = parse_device(device)
+    if kind == "null":
+        return BackendChoice("null", 0)
     override = config.backend_override()
     if override is not None:
         return BackendChoice(override, 0 if override == "host" else index)

@@ -76,7 +76,8 @@ class KVCacheManager:
             world_size = tp_size
         if isinstance(world_size, bool) or world_size != 1:
             raise KVCachedConfigError(
-                f"KVCacheManager: tensor parallelism (world_size={world_size}) is not supported yet; use 1."
+                f"KVCacheManager: world_size={world_size}: a KVCacheManager drives one device; with vLLM, tensor "
+                "parallelism goes through kvcached.integration.vllm.tp. Use 1."
             )
         if isinstance(num_kv_buffers, bool) or num_kv_buffers not in (1, 2):
             raise KVCachedConfigError(f"num_kv_buffers must be 1 or 2, got {num_kv_buffers!r}.")
@@ -104,6 +105,8 @@ class KVCacheManager:
         # NOTE: per layer and per K/V, as kvcached defines it
         self.mem_size = num_blocks * self.block_mem_size
         self._reserve = config.reserve_config()
+        if rt.choice.kind == "null":  # bookkeeping only (a TP scheduler): a reserve would just take budget
+            self._reserve = config.ReserveConfig(0, 0, False)
         self._util = config.gpu_utilization()
 
         self._reserved: list[int] = []
@@ -125,7 +128,7 @@ class KVCacheManager:
         self.device_total = 0
         self._runtime = rt
         if deferred_free is None:
-            deferred_free = rt.choice.kind != "host"
+            deferred_free = rt.choice.kind in ("cuda", "hip")  # host and null: nothing runs asynchronously
         self._deferred = DeferredFree(rt.torch_device, self._release) if deferred_free else None
         rt.managers.add(self)
         if vmm_ops.kv_tensors_created(group_id):

@@ -147,8 +147,12 @@ def page_geometry(num_layers: int, num_pages: int, page_size: int, kv_factor: in
 
 
 def init_kvcached(device: str | torch.device = "cuda:0", page_size: int | None = None,
-                  contiguous_layout: bool | str | Layout | None = None) -> None:
+                  contiguous_layout: bool | str | Layout | None = None, null_budget: int = 0) -> None:
     """Start the runtime on ``device`` (``cuda:N``, ``hip:N`` or ``cpu``).
+
+    ``device="null"`` reserves address space only, with ``null_budget`` bytes of pretend
+    physical memory: the bookkeeping of a tensor-parallel engine's scheduler, whose workers
+    map the pages it hands out.
 
     ``page_size`` (bytes; None or 0: ``KVCACHED_PAGE_SIZE_MB``) must be a multiple
     of 2 MiB and of the driver's granularity. ``contiguous_layout`` None takes
@@ -178,6 +182,10 @@ def init_kvcached(device: str | torch.device = "cuda:0", page_size: int | None =
         else:
             layout = Layout.parse(contiguous_layout)
         host_limit = config.host_memory_limit() if choice.kind == "host" else 0
+        if choice.kind == "null":
+            if not isinstance(null_budget, int) or isinstance(null_budget, bool) or null_budget <= 0:
+                raise KVCachedConfigError(f"device 'null' needs null_budget > 0 bytes, got {null_budget!r}.")
+            host_limit = null_budget
         backend = _vmm.Backend(choice.kind, choice.index, host_limit)
         gran = int(backend.granularity)
         if gran and page_size % gran:
@@ -185,7 +193,7 @@ def init_kvcached(device: str | torch.device = "cuda:0", page_size: int | None =
                 f"page_size={page_size} B is not a multiple of the {choice.kind} driver's granularity {gran} B; "
                 "set KVCACHED_PAGE_SIZE_MB to a multiple of it."
             )
-        _runtime = Runtime(choice, backend, f"{'cpu' if choice.kind == 'host' else choice.torch_device}",
+        _runtime = Runtime(choice, backend, choice.torch_device,
                            page_size, layout)
 
 
@@ -238,7 +246,7 @@ ZERO_CHUNK_BYTES = 64 << 20
 
 def _zero_chunk(backend: _vmm.Backend, geom: KVGeometry) -> int:
     unit = geom.unit_bytes
-    if backend.kind == "host" or unit * 2 > ZERO_CHUNK_BYTES:
+    if backend.kind in ("host", "null") or unit * 2 > ZERO_CHUNK_BYTES:
         return 0
     return unit << ((ZERO_CHUNK_BYTES // unit).bit_length() - 1)  # unit x a power of two, as the core needs
 

@@ -169,7 +169,7 @@ def main() -> None:
                   max_num_seqs=spec.get("max_num_seqs", 16))
     for key in ("attention_backend", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory_bytes",
                 "load_format", "async_scheduling", "compilation_config", "max_num_batched_tokens", "block_size",
-                "skip_tokenizer_init"):
+                "skip_tokenizer_init", "tensor_parallel_size", "distributed_executor_backend"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
     t0 = time.monotonic()
@@ -213,6 +213,8 @@ def main() -> None:
             time.sleep(phase.get("settle_s", 0.0))
             record["used_after"] = sampler.read()
             record["t1"] = time.time()
+            if spec.get("rank_state"):  # tensor parallel: what every worker maps (kvcached's worker RPC)
+                record["ranks"] = llm.collective_rpc("kvcached_rank_state")
             phases.append(record)
         segment_peak = _segment_peak(spec.get("ipc_name"))
         if spec.get("prompt_logprobs"):

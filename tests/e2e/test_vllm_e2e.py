@@ -315,3 +315,28 @@ def test_other_vllm_release_mamba(tiny_mamba_model: str, version: str) -> None:
     assert sorted(base["kv_groups"]) == ["FullAttentionSpec", "MambaSpec"] == sorted(r["kv_groups"])
     assert r["tokens"] == base["tokens"]
     _check_elastic(r)
+
+
+def test_tensor_parallel_ranks_map_what_the_scheduler_hands_out(tiny_model: str) -> None:
+    """TP = 2 (vLLM's CPU build, one core per rank): tokens as TP = 2 without kvcached; every rank maps the
+    same pages as the scheduler's pool, through a kvctl limit (both ranks capped), a burst and a drain."""
+    tp2 = {"model": tiny_model, **BURST, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vLLM's CPU build will not bind 2 ranks to one NUMA node itself
+    base = run_engine(tp2, engine_env(**bind))
+    name = "kvcached_e2e_tp2"
+    group = 2 * 2 * 2 * MiB  # 2 layers x 2 ranks x one 2 MiB page: the engine's bytes behind a page index
+    # each rank holds half the KV heads: 64 blocks per page, so the burst's 96 blocks take 2 pages, and a
+    # limit of one page (the null block's, 63 blocks free) makes requests take turns
+    r = run_engine({**tp2, "ipc_name": name, "settle_s": 0.5, "rank_state": True,
+                    "phases": [{"limit_bytes": group, "generate": True, "settle_s": 0.5},
+                               {"limit_bytes": -1, "generate": True, "settle_s": 0.5}]},
+                   _kvcached_env(name, **bind))
+    assert base["tokens"] is not None and r["all_tokens"] == [base["tokens"]] * 2
+    capped, free = r["phases"]
+    assert len(capped["ranks"]) == 2 and capped["ranks"][0] == capped["ranks"][1], capped["ranks"]
+    # under the limit no rank went past it; without it the burst took more on both, and all went back
+    assert capped["ranks"][0]["peak"] == 1, capped["ranks"]
+    assert free["ranks"][0] == free["ranks"][1], free["ranks"]
+    assert free["ranks"][0]["peak"] >= 2 and r["segment_peak"] >= 2 * group, (free["ranks"], r["segment_peak"])
+    assert all(s["in_use"] * group == free["used_after"] == r["idle_before"] for s in free["ranks"]), (
+        free["ranks"], free["used_after"], r["idle_before"])

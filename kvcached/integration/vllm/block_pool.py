@@ -33,7 +33,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached import config, mem_info
 from kvcached.errors import KVCachePoolExhausted
-from kvcached.integration.vllm import interfaces, kv_alloc
+from kvcached.integration.vllm import interfaces, kv_alloc, tp
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -53,10 +53,15 @@ class KVCachedBlockPool(BlockPool):
         super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
         # vLLM's queue starts with every block; ours holds only evictable cached blocks.
         self.free_block_queue = FreeKVCacheBlockQueue([])
-        self.kv = interfaces.get_kv_cache_manager(num_gpu_blocks, info.block_size, info.cell_size,
-                                                  info.num_layers, num_kv_buffers=info.kv_factor,
-                                                  group_id=info.group_id, pool_name="vllm",
-                                                  reserve_null_block=True)
+        # tensor parallel: bookkeeping here, the workers map the pages (see ``tp``)
+        self.tp_changes = tp.PageChanges() if info.world_size > 1 else None
+        if self.tp_changes is not None:
+            self.kv = tp.scheduler_manager(info, num_gpu_blocks)
+        else:
+            self.kv = interfaces.get_kv_cache_manager(num_gpu_blocks, info.block_size, info.cell_size,
+                                                      info.num_layers, num_kv_buffers=info.kv_factor,
+                                                      group_id=info.group_id, pool_name="vllm",
+                                                      reserve_null_block=True)
         cap = kv_alloc.memory_cap()
         if cap is not None:
             # vLLM's memory flag becomes this engine's limit, set as kvctl sets one, so kvctl shows and changes it
@@ -137,8 +142,12 @@ class KVCachedBlockPool(BlockPool):
             recycled = self.free_block_queue.popleft_n(reuse)  # still mapped: no trip through kvcached
         self._held = max(0, self._held - len(ids))
         bpp = self.blocks_per_page
+        changes = self.tp_changes
         for i in ids:
-            self._page_count[i // bpp] += 1
+            page = i // bpp
+            self._page_count[page] += 1
+            if changes is not None and self._page_count[page] == 1:
+                changes.touch(page)
         return [self.blocks[i] for i in ids] + recycled
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -161,9 +170,18 @@ class KVCachedBlockPool(BlockPool):
         if not blocks:
             return
         bpp = self.blocks_per_page
+        changes = self.tp_changes
         for b in blocks:
-            self._page_count[b.block_id // bpp] -= 1
+            page = b.block_id // bpp
+            self._page_count[page] -= 1
+            if changes is not None and self._page_count[page] == 0:
+                changes.touch(page)
         self.kv.free([b.block_id for b in blocks])
+
+    def take_page_changes(self) -> tuple[list[int], list[int]]:
+        """Tensor parallel: pages every worker must map and may unmap since the last call."""
+        assert self.tp_changes is not None
+        return self.tp_changes.take(self._page_count)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         keep: list[KVCacheBlock] = []

@@ -36,18 +36,20 @@ def _default_device() -> str:
 
 def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_worker: bool = False,
                   device: str | None = None, async_sched: bool = False,
-                  contiguous_layout: bool | None = None) -> None:
-    """Start kvcached for this vLLM process (idempotent: a second call only updates flags)."""
+                  contiguous_layout: bool | None = None, null_budget: int = 0) -> None:
+    """Start kvcached for this vLLM process (idempotent: a second call only updates flags).
+
+    ``device="null"`` with ``null_budget`` bytes: the bookkeeping-only runtime of a tensor-parallel
+    engine's scheduler (see :mod:`kvcached.integration.vllm.tp`).
+    """
     global _kvcached_initialized, _kvcached_device, _async_sched, _world_size, _pp_rank, _is_worker
-    if world_size != 1:
-        raise KVCachedConfigError(f"kvcached supports tensor parallel size 1 for now, got world_size={world_size}.")
     if _kvcached_initialized and vmm_ops.is_initialized():
         _is_worker = _is_worker or is_worker
         _async_sched = _async_sched or async_sched
         _pp_rank = pp_rank
         return
-    device = normalize_gpu_device(device or _default_device())
-    vmm_ops.init_kvcached(device, None, contiguous_layout)
+    device = "null" if device == "null" else normalize_gpu_device(device or _default_device())
+    vmm_ops.init_kvcached(device, None, contiguous_layout, null_budget=null_budget)
     _kvcached_initialized = True
     _kvcached_device = device
     _world_size, _pp_rank, _async_sched, _is_worker = world_size, pp_rank, async_sched, is_worker

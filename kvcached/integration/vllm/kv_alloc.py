@@ -45,6 +45,12 @@ class PoolInfo:
     num_layers: int
     group_id: int = 0
     kv_factor: int = 1  # 1: a vLLM page kept whole; 2: its K and V halves in two buffers
+    # tensor parallel (set in the engine core from the workers' reports, see ``tp``): the ranks, the
+    # smallest rank's device bytes, and the workers' layout and page size
+    world_size: int = 1
+    rank_bytes: int = 0
+    layout: str = ""
+    page_size: int = 0
 
 
 _lock = threading.Lock()
@@ -73,11 +79,18 @@ def pool_info() -> PoolInfo:
     info = _pool_info
     if info is None:
         raise KVCachedStateError(
-            "kvcached: the scheduler's block pool was created in a process whose worker did not allocate the KV "
-            "cache through kvcached. kvcached supports one worker in the engine-core process (tensor and "
-            "pipeline parallel size 1, the default uniprocess executor); unset ENABLE_KVCACHED for other setups."
+            "kvcached: the scheduler's block pool was created in a process where no worker placed the KV cache "
+            "through kvcached and no tensor-parallel workers reported theirs (pipeline parallelism and "
+            "data-parallel engine cores are not supported); unset ENABLE_KVCACHED for this setup."
         )
     return info
+
+
+def set_remote_pool_info(info: PoolInfo) -> None:
+    """The engine core's view of its tensor-parallel workers' pools (see ``tp.after_kv_caches``)."""
+    global _pool_info
+    with _lock:
+        _pool_info = info
 
 
 def set_memory_cap(cap_bytes: int | None) -> None:
