@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build kvcached, run the GPU tests and the benchmarks; everything lands under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|vllm|serving|vmm|kernels|quick] [BUNDLE_DIR]
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|vllm|tp|serving|vmm|kernels|quick] [BUNDLE_DIR]
+# (tp: the tensor-parallel engine test alone, on the two-GPU machine, kind nvidia-h200-x2)
 # With a vLLM bundle (../shared/tools/vllm-gpu-bundle/build.sh BUNDLE_DIR; default .gpu-bundle) vLLM's CUDA
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 set -uo pipefail
@@ -41,6 +42,11 @@ if has vllm; then
   log "gpu vLLM tests"
   timeout "${VLLM_TESTS_TIMEOUT:-560}" python3 -m pytest -q -s tests/gpu/test_vllm_gpu.py tests/gpu/test_async_unmap_gpu.py \
     -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_vllm_tests.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
+fi
+if [[ " ${what//,/ } " == *" tp "* ]]; then
+  log "gpu vLLM tensor parallel (2 GPUs)"
+  timeout "${VLLM_TESTS_TIMEOUT:-560}" python3 -m pytest -q -s tests/gpu/test_vllm_gpu.py -k tensor_parallel \
+    -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_vllm_tp.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
 fi
 if has serving; then
   log "bench_serving"

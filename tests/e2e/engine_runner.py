@@ -232,17 +232,17 @@ def main() -> None:
     kv_groups = None
     try:
         core = llm.llm_engine.engine_core.engine_core
-        worker = core.model_executor.driver_worker.worker
-        kv_planned = getattr(worker, "available_kv_cache_memory_bytes", None)
-        runner = worker.model_runner
-        backend = runner.attn_groups[0][0].backend.get_name()
         pool = core.scheduler.kv_cache_manager.block_pool
         pool_kind = type(pool).__name__
         kv_groups = [type(g.kv_cache_spec).__name__ for g in core.scheduler.kv_cache_config.kv_cache_groups]
         if pool_kind == "KVCachedBlockPool":
             cached_blocks = pool.free_block_queue.num_free_blocks  # ours holds only cached blocks
+        worker = core.model_executor.driver_worker.worker  # the uniprocess executor only
+        kv_planned = getattr(worker, "available_kv_cache_memory_bytes", None)
+        runner = worker.model_runner
+        backend = runner.attn_groups[0][0].backend.get_name()
     except Exception as exc:  # only diagnostics
-        pool_kind = f"unknown ({exc})"
+        pool_kind = locals().get("pool_kind") or f"unknown ({exc})"
     limit = None
     if spec.get("ipc_name"):
         from kvcached import mem_info

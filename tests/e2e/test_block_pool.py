@@ -174,6 +174,6 @@ def test_pool_needs_kvcached_allocation(monkeypatch: pytest.MonkeyPatch) -> None
     from kvcached.integration.vllm.block_pool import KVCachedBlockPool
 
     kv_alloc.reset()
-    with pytest.raises(KVCachedStateError, match="tensor and pipeline parallel size 1"):
+    with pytest.raises(KVCachedStateError, match="no worker placed the KV cache"):
         KVCachedBlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
 

@@ -332,6 +332,7 @@ def test_tensor_parallel_ranks_map_what_the_scheduler_hands_out(tiny_model: str)
                                {"limit_bytes": -1, "generate": True, "settle_s": 0.5}]},
                    _kvcached_env(name, **bind))
     assert base["tokens"] is not None and r["all_tokens"] == [base["tokens"]] * 2
+    assert r["pool"] == "KVCachedBlockPool"
     capped, free = r["phases"]
     assert len(capped["ranks"]) == 2 and capped["ranks"][0] == capped["ranks"][1], capped["ranks"]
     # under the limit no rank went past it; without it the burst took more on both, and all went back

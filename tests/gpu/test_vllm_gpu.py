@@ -27,7 +27,7 @@ import torch
 E2E = Path(__file__).resolve().parent.parent / "e2e"
 sys.path.insert(0, str(E2E))
 from harness import check_decode, check_teacher_forced, engine_env, finish_engine, start_engine  # noqa: E402
-from tiny_model import BURST_PROMPTS, PROMPTS, make_tiny_model  # noqa: E402
+from tiny_model import BURST_PROMPTS, PROMPTS, make_tiny_mamba_hybrid, make_tiny_model  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,7 +72,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
         "bos_token_id": 128000, "eos_token_id": 128001,
     }))
-    return {"small": str(small), "8b": str(big)}
+    swa = make_tiny_model(tmp_path_factory.mktemp("swa_llama"), hidden_size=512, num_heads=8, num_kv_heads=2,
+                          num_layers=4, sliding_window=64)
+    mamba = make_tiny_mamba_hybrid(tmp_path_factory.mktemp("mamba_hybrid"))
+    return {"small": str(small), "8b": str(big), "swa": str(swa), "mamba": str(mamba)}
 
 
 def _specs(models: dict[str, str]) -> dict[str, tuple[dict, dict]]:
@@ -102,6 +105,13 @@ def _specs(models: dict[str, str]) -> dict[str, tuple[dict, dict]]:
             {"limit_bytes": -1},
             {"generate": True, "settle_s": 1.0},  # recover
         ]}, _kv_env("kvc_gpu_phases")),
+        # hybrids: a sliding-window + full Llama and a Mamba2 + attention Granite-4.0-H, both layouts
+        **{f"{kind}_{layout}": (
+            {"model": models[kind], **COMMON, **BURST, "max_tokens": 200,
+             **({"ipc_name": f"kvc_gpu_{kind}_{layout}", "settle_s": 1.0} if layout != "plain" else plain)},
+            _gpu_env() if layout == "plain" else
+            _kv_env(f"kvc_gpu_{kind}_{layout}", KVCACHED_CONTIGUOUS_LAYOUT=str(layout == "contiguous").lower()))
+           for kind in ("swa", "mamba") for layout in ("plain", "contiguous", "per_layer")},
         "plain_8b": ({"model": big, **COMMON, **big_prompts, "gpu_memory_utilization": 0.3,
                       "kv_cache_memory_bytes": 8 * GiB}, _gpu_env()),
         "kv_8b": ({"model": big, **COMMON, **big_prompts, "ipc_name": "kvc_gpu_8b", "settle_s": 1.0},
@@ -197,6 +207,36 @@ def test_limit_cut_preempts_and_every_request_completes_unchanged(runs: dict[str
     assert max(in_burst) >= idle["used_after"] + PAGE_GROUP_SMALL, "the burst did not grow the pool"
     assert burst["used_after"] <= idle["used_after"], "the drain did not shrink the pool"
     assert max(in_cut) <= PAGE_GROUP_SMALL, f"mapped {max(in_cut)} B under a {PAGE_GROUP_SMALL} B limit"
+
+
+@pytest.mark.parametrize("name", ["swa_contiguous", "swa_per_layer", "mamba_contiguous", "mamba_per_layer"])
+def test_hybrid_models_equal_plain_vllm(runs: dict[str, dict], name: str) -> None:
+    """Several KV cache groups (sliding window + full; Mamba state + attention) in one elastic pool."""
+    kind = name.split("_")[0]
+    base, r = _ok(runs, f"{kind}_plain"), _ok(runs, name)
+    assert r["pool"] == "KVCachedBlockPool" and len(r["kv_groups"]) == 2, (r["pool"], r["kv_groups"])
+    assert r["kv_groups"] == base["kv_groups"]
+    assert r["tokens"] == base["tokens"]
+    assert max(_used(r)) > r["idle_before"], "mapped memory never rose under the burst"
+    assert r["after"] == r["idle_before"], f"mapped memory did not fall back: {r['idle_before']} -> {r['after']}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (kind nvidia-h200-x2)")
+def test_tensor_parallel_two_gpus(models: dict[str, str]) -> None:
+    """TP = 2: tokens as TP = 2 without kvcached; both GPUs map the scheduler's pages through a kvctl cut, a
+    burst and a drain, and show the same mapped memory."""
+    spec = {"model": models["small"], **COMMON, **BURST, "max_tokens": CUT_TOKENS, "tensor_parallel_size": 2}
+    base = finish_engine(start_engine({**spec, "gpu_memory_utilization": 0.3}, _gpu_env()), timeout=900)
+    group = PAGE_GROUP_SMALL * 2  # the engine's bytes behind one page index: both ranks
+    r = finish_engine(start_engine({**spec, "ipc_name": "kvc_gpu_tp2", "settle_s": 1.0, "rank_state": True,
+                                    "phases": [{"limit_bytes": group, "generate": True, "settle_s": 1.0},
+                                               {"limit_bytes": -1, "generate": True, "settle_s": 1.0}]},
+                                   _kv_env("kvc_gpu_tp2")), timeout=900)
+    assert r["all_tokens"] == [base["tokens"]] * 2
+    capped, free = r["phases"]
+    assert capped["ranks"][0]["peak"] == capped["ranks"][1]["peak"] == 1, capped["ranks"]
+    assert free["ranks"][0] == free["ranks"][1], free["ranks"]
+    assert free["ranks"][0]["peak"] >= 3 and free["ranks"][0]["in_use"] * group == r["idle_before"]
 
 
 def test_llama3_8b_shape_greedy_equal(runs: dict[str, dict]) -> None:

@@ -43,6 +43,11 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
     engine's scheduler (see :mod:`kvcached.integration.vllm.tp`).
     """
     global _kvcached_initialized, _kvcached_device, _async_sched, _world_size, _pp_rank, _is_worker
+    if world_size != 1:
+        raise KVCachedConfigError(
+            f"init_kvcached(world_size={world_size}): kvcached drives one device per process; with vLLM, tensor "
+            "parallelism needs nothing from the caller (kvcached.integration.vllm.tp). Use world_size=1."
+        )
     if _kvcached_initialized and vmm_ops.is_initialized():
         _is_worker = _is_worker or is_worker
         _async_sched = _async_sched or async_sched

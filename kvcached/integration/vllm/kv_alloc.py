@@ -234,7 +234,7 @@ def _place(num_blocks: int, block_size: int, cell: int, num_layers: int, kv_fact
         )
     with _lock:
         _pool_info = PoolInfo(num_blocks, block_size, cell, num_layers, group_id, kv_factor)
-    kv_zero.record(meta["geometry"], meta["raw_kv_tensors"])
+    kv_zero.record(meta["geometry"], meta["raw_kv_tensors"], num_blocks)
     logger.info("kvcached: %d layers x %d virtual blocks of %d B in the %s layout on %s", num_layers, num_blocks,
                 block_size * cell * kv_factor, vmm_ops.runtime().layout.value, device)
     return views, meta, group_id

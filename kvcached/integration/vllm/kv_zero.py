@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 _lock = threading.Lock()
-_plan: list[Region] | None = None
+_plan: tuple[list[Region], int] | None = None  # (regions, blocks)
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ def plan_regions(geometry: Any, raws: list[torch.Tensor]) -> list[Region]:
     return [Region(raws[t].view(torch.uint8), o, s, n) for t, o, s, n in merged]
 
 
-def record(geometry: Any, raws: list[torch.Tensor]) -> None:
+def record(geometry: Any, raws: list[torch.Tensor], num_blocks: int) -> None:
     """Called where the KV tensors are placed (this worker process)."""
     global _plan
     with _lock:
-        _plan = plan_regions(geometry, raws)
+        _plan = (plan_regions(geometry, raws), num_blocks)
 
 
 def reset() -> None:
@@ -74,13 +74,10 @@ def zero_blocks(regions: Iterable[Region], num_blocks: int, block_ids: torch.Ten
 class SlotZeroer:
     """Same calls as vLLM's ``KVBlockZeroer`` (its constructor's arguments are not needed)."""
 
-    def __init__(self, device: Any, *args: Any, num_blocks: int | None = None, **kwargs: Any) -> None:
-        from kvcached.integration.vllm import kv_alloc
-
+    def __init__(self, device: Any, *args: Any, **kwargs: Any) -> None:
         self.device = torch.device(device)
         with _lock:
-            self.regions = list(_plan or [])
-        self.num_blocks = kv_alloc.pool_info().num_blocks if self.regions else 0
+            self.regions, self.num_blocks = _plan or ([], 0)
 
     def zero_block_ids(self, block_ids: list[int]) -> None:
         if not block_ids or not self.regions:

@@ -156,9 +156,15 @@ def reset_worker() -> None:
 # -- engine-core side --------------------------------------------------------
 def after_kv_caches(engine_core: Any) -> None:
     """After every worker placed its KV cache: one pool description for the scheduler's side."""
-    world = int(engine_core.vllm_config.parallel_config.world_size)
+    parallel = engine_core.vllm_config.parallel_config
+    world = int(parallel.world_size)
     if world <= 1:
         return
+    if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
+        raise KVCachedConfigError(
+            f"kvcached supports tensor parallelism, not pipeline parallelism (pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}); unset ENABLE_KVCACHED for this engine."
+        )
     reports = engine_core.model_executor.collective_rpc("kvcached_report_pool")
     geometry = [{k: v for k, v in r.items() if k not in ("device_total", "memory_cap")} for r in reports]
     if any(g != geometry[0] for g in geometry):
