@@ -18,8 +18,8 @@ import torch
 from kvcached import vmm_ops
 from kvcached.errors import KVCachedConfigError
 from kvcached.integration.sglang import interfaces as sg
-from kvcached.kernels import paged_attention, write_kv_cache
-from kvcached.kernels.reference import paged_attention_ref, relative_error
+from kvcached.kernels import paged_attention, paged_mla_decode, write_kv_cache
+from kvcached.kernels.reference import mla_decode_ref, paged_attention_ref, relative_error
 from kvcached.layout import (
     KVSpec,
     Layout,
@@ -177,6 +177,38 @@ def test_kernels_on_sglang_pages(sglang_env: bool, page: int) -> None:
                           max_seq_len=max(seq_lens))
     ref = paged_attention_ref(query, k_cache, v_cache, table, sl, qsl)
     assert relative_error(out, ref) < 2e-3
+    mgr.free(pages)
+    mgr.close()
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_mla_kernel_on_sglang_pages(sglang_env: bool, page: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """paged_mla_decode on SGLang's MLA pool (one latent vector of 576 per token), viewed as its FlashMLA
+    backend does (``kv_buffer.view(-1, page, D)``), against the float64 reference."""
+    latent = 576  # kv_lora_rank 512 + rope 64: 1152 B a token, so whole engine pages need 18 MiB pages
+    sg.shutdown_kvcached()
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE_MB", "18")
+    monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "256")
+    sg.init_kvcached(device="cpu")
+    bufs = sg.alloc_kv_cache((1000, 1, latent), torch.bfloat16, "cpu", LAYERS, page_size=page,
+                             attention_type="MLA")
+    mgr = sg.get_kv_cache_manager(bufs[0].shape[0] // page, page, latent * 2, LAYERS, num_kv_buffers=1)
+    seq_lens = [page + 9, 3 * page - 1]
+    cols = max(-(-n // page) for n in seq_lens)
+    pages = mgr.alloc(cols * len(seq_lens))
+    assert pages is not None
+    table = torch.tensor(pages, dtype=torch.int32).view(len(seq_lens), cols)
+    g = torch.Generator().manual_seed(page)
+    for layer in range(LAYERS):  # every layer random: reading the wrong one shows
+        for p in pages:
+            bufs[layer][p * page:(p + 1) * page] = torch.randn(page, 1, latent, generator=g).to(torch.bfloat16)
+    cache = bufs[1].view(-1, page, latent)
+    assert cache.is_contiguous() == (not sglang_env)  # strided only on the contiguous layout
+    query = torch.randn(len(seq_lens), 4, latent, generator=g).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    got = paged_mla_decode(query, cache, table, lens, scale=latent**-0.5, num_splits=2)
+    want = mla_decode_ref(query, cache, table, lens, scale=latent**-0.5, v_head_size=512)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     mgr.free(pages)
     mgr.close()
 
