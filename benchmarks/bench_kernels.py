@@ -281,6 +281,77 @@ def peers(tab, series, q, kc, vc, table, lens, want, batch, ctx, bytes_moved, ce
     series.setdefault("Flex", []).append((batch, ctx, bw))
 
 
+# -- short queries (speculative decoding) ------------------------------------------------------
+def _vllm_peers() -> dict:
+    """vLLM's Triton unified attention and FA3 (from vLLM's CUDA build), when importable: imported only here,
+    after every dense SDPA row (vLLM's import changes SDPA's timings, see FACTS.md)."""
+    found = {}
+    try:
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+        found["vLLM Triton unified (peer)"] = unified_attention
+    except Exception as exc:  # absent peers are rows that say so
+        found["vLLM Triton unified (peer)"] = exc
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        found["FA3 paged (peer)"] = flash_attn_varlen_func
+    except Exception as exc:
+        found["FA3 paged (peer)"] = exc
+    return found
+
+
+def run_short(tab: Table, ceil: dict[str, float], batch: int, ctx: int, q_lens) -> None:
+    """Each of ``batch`` sequences of ``ctx`` keys with q new tokens (causal): the KV must be read once."""
+    nb = ctx // BLOCK + 1
+    num_blocks = batch * nb
+    kc = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD, dtype=DT, device=DEV)
+    vc = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD, dtype=DT, device=DEV)
+    table = torch.randperm(num_blocks, device=DEV).to(torch.int32).view(batch, nb)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    peers_found = _vllm_peers() if GPU else {}
+    t_decode = None
+    for n in q_lens:
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * n
+        q = torch.randn(batch * n, Q_HEADS, HEAD, dtype=DT, device=DEV)
+        bytes_moved = batch * ctx * KV_HEADS * HEAD * 2 * 2 + batch * n * Q_HEADS * HEAD * 2 * 2
+        sl = min(batch, 2)
+        want = paged_attention_ref(q[: sl * n], kc, vc, table[:sl], lens[:sl], qsl[: sl + 1], scale=HEAD**-0.5)
+
+        def ours(q=q, qsl=qsl, n=n):
+            return paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=ctx, scale=HEAD**-0.5)
+
+        rows = [("ours", ours, "")]
+        out = torch.empty_like(q)
+        for name, peer in peers_found.items():
+            if isinstance(peer, Exception):
+                rows.append((name, None, f"absent: {_err(peer)[:100]}"))
+            elif name.startswith("vLLM"):
+                rows.append((name, lambda peer=peer, q=q, qsl=qsl, n=n, out=out: peer(
+                    q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, max_seqlen_q=n, seqused_k=lens, max_seqlen_k=ctx,
+                    softmax_scale=HEAD**-0.5, causal=True, window_size=(-1, -1), block_table=table, softcap=0,
+                    q_descale=None, k_descale=None, v_descale=None) or out, ""))
+            else:
+                rows.append((name, lambda peer=peer, q=q, qsl=qsl, n=n: peer(
+                    q, kc, vc, max_seqlen_q=n, cu_seqlens_q=qsl, max_seqlen_k=ctx, seqused_k=lens,
+                    softmax_scale=HEAD**-0.5, causal=True, block_table=table, fa_version=3), ""))
+        for name, fn, note in rows:
+            if fn is None:
+                tab.add(batch, ctx, n, name, None, None, None, None, "-", note)
+                continue
+            try:
+                check = close(fn()[: sl * n], want, f"short {name} q{n}")
+                t = graph_time_us(fn, DEV) or time_us(fn, DEV)
+                if name == "ours" and n == 1:
+                    t_decode = t
+                bw = bytes_moved / t / 1e6
+                ratio = t / t_decode if t_decode else None
+                tab.add(batch, ctx, n, name, t, bw, 100 * bw / ceil["gather"], ratio, check, note)
+            except Exception as exc:
+                tab.add(batch, ctx, n, name, None, None, None, None, "ERROR", _err(exc))
+            _free()
+
+
 # -- prefill ---------------------------------------------------------------------------------
 def run_prefill(tab: Table, ceil: dict[str, float], sizes, flex_sizes: set[int]) -> None:
     for n in sizes:
@@ -497,6 +568,12 @@ def main() -> int:
                                                                       "TB/s", "% gather ceiling", "TFLOP/s",
                                                                       "contig/per-layer time", "check vs fp64"])
     run_mla(mla, ceil, mla_shapes)
+    short = Table(f"Short queries (speculative decoding): bf16, {Q_HEADS}/{KV_HEADS} heads, head {HEAD}, block "
+                  f"{BLOCK}, causal", ["batch", "context", "q tokens", "impl", "graph (us)", "TB/s",
+                                       "% gather ceiling", "time / ours at q=1", "check vs fp64", "note"])
+    short.notes.append("bytes = K and V of every sequence read once (as at q=1) + query in and output out; the "
+                       "goal at q=4 is 1.15x the q=1 time. vLLM's peers come from its CUDA build when importable.")
+    run_short(short, ceil, *((64, 8192) if GPU else (2, 64)), (1, 2, 4, 8, 16))
 
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -507,7 +584,7 @@ def main() -> int:
                f"- correctness: {'all checks passed' if not FAILED_CHECKS else 'FAILED: ' + '; '.join(FAILED_CHECKS)}",
                "", "Formulas: see the docstring of benchmarks/bench_kernels.py (bytes = K+V read once; "
                "FLOPs = 4*B*H*S*D decode, 4*H*D*n(n+1)/2 causal prefill).", ""]
-    text = "\n".join(header) + "\n" + "\n".join(t.markdown() for t in (ceil_tab, dec, pre, wr, mla))
+    text = "\n".join(header) + "\n" + "\n".join(t.markdown() for t in (ceil_tab, dec, pre, wr, mla, short))
     (out / f"kernels_{slug}.md").write_text(text)
     print(text)
     print(f"wrote {out / f'kernels_{slug}.md'}")

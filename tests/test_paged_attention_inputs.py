@@ -10,6 +10,7 @@ from kvcached.kernels.paged_attention import (
     BLOCK_SIZES,
     HEAD_SIZES,
     QUERY_DTYPES,
+    SHORT_MAX,
     _target_info,
     compile_variants,
     paged_attention,
@@ -187,9 +188,11 @@ def test_compile_variants_per_target(target):
     tiles = {(v.constexprs["HEAD_PAD"], v.constexprs["PAD_D"]) for v in variants if "PAD_D" in v.constexprs}
     assert tiles == {(32, False), (64, False), (128, False), (128, True), (256, False)}
     # block size, group, split count and feature values are run-time arguments: a small, fixed list
-    # (dtype pairs x 5 tiles x decode/prefill x FEATURES, plus the reduce per query dtype x 4 tiles)
+    # (dtype pairs x 5 tiles x (decode rows 16 and 64, prefill) x FEATURES, plus the reduce per query
+    # dtype x 4 tiles)
     pairs = 4 if target in ("sm90", "gfx942", "gfx950") else 2
-    assert len(variants) == pairs * 5 * 4 + 2 * 4
+    assert len(variants) == pairs * 5 * 3 * 2 + 2 * 4
+    assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == {16, 64}
 
 
 def _feature_sets():
@@ -217,7 +220,7 @@ def test_every_dispatcher_choice_is_compiled(target):
                 for block in BLOCK_SIZES:
                     for group in (1, 7, 33):
                         for feats in _feature_sets():
-                            for max_query_len in (1, 300):
+                            for max_query_len in (1, 4, 16, 300):
                                 for num_splits, fused in ((1, False), (37, False), (128, True)):
                                     plan = select(qdt, kdt, head, block, group, max_query_len=max_query_len,
                                                   num_splits=num_splits, fused=fused, hip=hip, big_smem=big_smem,
@@ -226,7 +229,9 @@ def test_every_dispatcher_choice_is_compiled(target):
                                     kinds = [v.fn.__name__ for v in plan]
                                     assert kinds[0] == "decode_kernel"
                                     assert ("reduce_kernel" in kinds) == (num_splits > 1 and not fused)
-                                    assert ("prefill_kernel" in kinds) == (max_query_len > 1)
+                                    # causal queries up to SHORT_MAX tokens go through the decode kernel
+                                    short = SHORT_MAX if feats["causal"] else 1
+                                    assert ("prefill_kernel" in kinds) == (max_query_len > short)
                                     for v in plan:
                                         key = variant_key(v)
                                         assert key in listed, f"{target}: {v.name} {v.constexprs} not listed"

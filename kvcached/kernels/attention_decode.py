@@ -1,8 +1,13 @@
-"""Single-token decode over a paged cache: split-KV (flash-decoding) plus its reduce.
+"""Decode and short queries over a paged cache: split-KV (flash-decoding) plus its reduce.
 
-One program serves one (sequence, KV head, head chunk, split): up to ``BLOCK_H``
-(16) query heads that share the KV head are the rows of the ``tl.dot``, so each K/V
-tile is read once per KV head (once per 16 heads for larger groups). The split
+One program serves one (sequence, KV head, head chunk, token block, split): the rows
+of the ``tl.dot`` are (query token, query head) pairs, up to ``BLOCK_H`` of them, for
+the heads that share the KV head. A decode (one token) fills them with heads (16 a
+program); a short query (2 to ``short_max`` tokens: speculative-decoding checks,
+draft tokens, the tail of a chunked prefill) with all of its tokens times the group
+(64 rows a program), so each K/V tile is read once for every row that needs it
+instead of once per 128-row prefill tile per head. Rows are causal: token ``t`` of a
+``q_len``-token query sits at ``seq_len - q_len + t``. The split
 count is a run-time value: with ``num_splits`` 1 the program writes the output; with
 more, the context is cut in ``num_splits`` runs of whole ``BLOCK_N`` tiles and each
 program writes its running max, sum and unnormalised output (fp32); the merge (which
@@ -22,7 +27,8 @@ import triton.language as tl
 from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
 # run-time scalars whose value must not make Triton compile another specialisation
-_NO_SPECIALISE = ["group", "bs_shift", "num_splits", "fused", "window", "causal", "has_alibi", "has_sinks"]
+_NO_SPECIALISE = ["group", "bs_shift", "num_splits", "fused", "window", "causal", "has_alibi", "has_sinks",
+                  "short_max", "qmax", "tblocks"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -50,6 +56,9 @@ def decode_kernel(
     bs_shift,
     num_splits,
     fused,
+    short_max,
+    qmax,
+    tblocks,
     head_size,
     stride_qt,
     stride_qh,
@@ -71,31 +80,42 @@ def decode_kernel(
     INTERP: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    slot = tl.program_id(1)  # kv_head * chunks + chunk
+    slot = tl.program_id(1)  # (kv_head * chunks + chunk) * tblocks + token block
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
-        return  # not a decode sequence (or an empty one): the prefill kernel or nobody
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if (q_len < 1) | (q_len > short_max):
+        return  # a longer query (the prefill kernel's) or an empty one
     seq_len = tl.load(seq_lens_ptr + seq)
-    pos = seq_len - 1
     chunks = tl.cdiv(group, BLOCK_H)
-    kv_head = slot // chunks
-    h0 = (slot % chunks) * BLOCK_H  # first head of this chunk within the group
+    hc = tl.minimum(group, BLOCK_H)  # heads of the group in one program
+    per = BLOCK_H // hc  # query tokens in one program
+    tb = slot % tblocks
+    kv_head = slot // tblocks // chunks
+    h0 = (slot // tblocks % chunks) * BLOCK_H  # first head of this chunk within the group
+    t0 = tb * per
+    if t0 >= q_len:
+        return
 
-    h = tl.arange(0, BLOCK_H)
-    h_mask = h0 + h < group
-    heads = kv_head * group + h0 + h
+    r = tl.arange(0, BLOCK_H)
+    t = t0 + r // hc
+    h = h0 + r % hc
+    h_mask = (r < per * hc) & (h < group) & (t < q_len)
+    heads = kv_head * group + h
+    tok = (q_start + t).to(tl.int64)
     d = tl.arange(0, HEAD_PAD)
     if PAD_D:
         d_mask = d < head_size  # a multiple of 16: Triton specialises on it, loads stay vectorised
     else:
         d_mask = d < HEAD_PAD
     q = tl.load(
-        q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + pos
+    ctx = seq_len - q_len
+    q_pos = ctx + t
+    last = ctx + tl.minimum(t0 + per, q_len) - 1  # the position of this program's last token
 
     qk_scale = sm_scale * LOG2E
     if FP8_KV:
@@ -111,15 +131,15 @@ def decode_kernel(
             m_i = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E
             l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + 1.0
         if window > 0:
-            lo = tl.maximum(pos - window + 1, 0)
+            lo = tl.maximum(ctx + t0 - window + 1, 0)
     acc = tl.zeros([BLOCK_H, HEAD_PAD], dtype=tl.float32)
 
     lo = (lo // BLOCK_N) * BLOCK_N
-    hi = seq_len
-    # num_splits 1: per >= hi - lo, the whole range
-    per = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
-    lo = lo + split * per
-    hi = tl.minimum(lo + per, hi)
+    hi = tl.where(causal != 0, last + 1, seq_len)  # causal rows see nothing past the last one
+    # num_splits 1: span >= hi - lo, the whole range
+    span = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+    lo = lo + split * span
+    hi = tl.minimum(lo + span, hi)
 
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
@@ -128,7 +148,7 @@ def decode_kernel(
         acc, m_i, l_i = attn_tile(
             acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
             stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
-            BLOCK_N, PAD_D, True, False, FEATURES, FP8_KV, INTERP,
+            BLOCK_N, PAD_D, True, True, FEATURES, FP8_KV, INTERP,
         )  # fmt: skip
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr)
@@ -137,16 +157,17 @@ def decode_kernel(
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
         tl.store(
-            out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=h_mask[:, None] & d_mask[None, :],
         )
     else:
-        # part_ptr: outputs [num_seqs, num_heads, num_splits, HEAD_PAD], then (max, sum) [..., 2]
-        num_heads = tl.num_programs(1) // chunks * group
-        rows_total = tl.num_programs(0).to(tl.int64) * num_heads * num_splits
+        # part_ptr: outputs [num_seqs, qmax, num_heads, num_splits, HEAD_PAD], then (max, sum) [..., 2]
+        num_heads = tl.num_programs(1) // (chunks * tblocks) * group
+        rows_total = tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits
         part_ml_ptr = part_ptr + rows_total * HEAD_PAD
-        row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+        prow = seq.to(tl.int64) * qmax + t
+        row = (prow * num_heads + heads) * num_splits + split
         tl.store(part_ptr + row[:, None] * HEAD_PAD + d[None, :], acc, mask=h_mask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_mask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_mask)
@@ -159,22 +180,26 @@ def decode_kernel(
             ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
                 tl.debug_barrier()
-                for i in range(0, tl.minimum(BLOCK_H, group - h0)):
-                    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, kv_head * group + h0 + i,
-                                 num_heads, num_splits, has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD)
+                heads_here = tl.minimum(hc, group - h0)
+                for i in range(0, tl.minimum(per, q_len - t0) * heads_here):
+                    ti = t0 + i // heads_here
+                    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + ti, seq.to(tl.int64) * qmax + ti,
+                                 kv_head * group + h0 + i % heads_here, num_heads, num_splits, has_sinks, head_size,
+                                 stride_ot, stride_oh, HEAD_PAD)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, head, num_heads, num_splits, has_sinks,
+def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, prow, head, num_heads, num_splits, has_sinks,
                  head_size, stride_ot, stride_oh, HEAD_PAD: tl.constexpr):
-    """Merge the ``num_splits`` partial results of query ``head`` into ``out`` (online, a chunk of splits at a time)."""
+    """Merge the ``num_splits`` partials of (token row ``prow`` of the workspace, ``head``) into ``out`` row
+    ``out_row`` (online, a chunk of splits at a time)."""
     # splits per load: at most 4k fp32 values (32 registers a thread at 4 warps)
     CHUNK: tl.constexpr = max(2, min(32, 4096 // HEAD_PAD))
     c = tl.arange(0, CHUNK)
     d = tl.arange(0, HEAD_PAD)
     d_mask = d < head_size
-    base = (seq.to(tl.int64) * num_heads + head) * num_splits
+    base = (prow * num_heads + head) * num_splits
     m_run = tl.max(tl.zeros([CHUNK], dtype=tl.float32) + NEG_BIG, 0)
     l_run = tl.sum(tl.zeros([CHUNK], dtype=tl.float32), 0)
     acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
@@ -200,13 +225,13 @@ def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, head, 
         acc = acc * alpha
     l_run = tl.where(l_run == 0.0, 1.0, l_run)
     tl.store(
-        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
+        out_ptr + out_row.to(tl.int64) * stride_ot + head * stride_oh + d,
         (acc / l_run).to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
 
 
-@triton.jit(do_not_specialize=["num_splits", "has_sinks"])
+@triton.jit(do_not_specialize=["num_splits", "has_sinks", "short_max"])
 def reduce_kernel(
     out_ptr,
     qsl_ptr,
@@ -214,6 +239,7 @@ def reduce_kernel(
     part_ptr,
     num_splits,
     has_sinks,
+    short_max,
     head_size,
     stride_ot,
     stride_oh,
@@ -221,13 +247,16 @@ def reduce_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    t = tl.program_id(2)  # grid: (sequences, heads, qmax)
     q_start = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if (q_len < 1) | (q_len > short_max) | (t >= q_len):
         return
     num_heads = tl.num_programs(1)
-    part_ml_ptr = part_ptr + tl.num_programs(0).to(tl.int64) * num_heads * num_splits * HEAD_PAD
-    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start, seq, head, num_heads, num_splits, has_sinks,
-                 head_size, stride_ot, stride_oh, HEAD_PAD)
+    qmax = tl.num_programs(2)
+    part_ml_ptr = part_ptr + tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits * HEAD_PAD
+    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + t, seq.to(tl.int64) * qmax + t, head, num_heads,
+                 num_splits, has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD)
 
 
 # ints Triton specialises as multiples of 16 at run time (every supported head size is one);

@@ -20,7 +20,7 @@ import triton.language as tl
 from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
 # run-time scalars whose value must not make Triton compile another specialisation
-_NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks"]
+_NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks", "short_max"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -44,6 +44,7 @@ def prefill_kernel(
     has_sinks,
     group,
     bs_shift,
+    short_max,
     head_size,
     stride_qt,
     stride_qh,
@@ -73,7 +74,7 @@ def prefill_kernel(
     m0 = tile * BLOCK_M
     if m0 >= q_len:
         return
-    if q_len == 1:  # the decode kernel handles single-token sequences
+    if q_len <= short_max:  # the decode kernel handles single tokens and short queries
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len

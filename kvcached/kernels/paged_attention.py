@@ -31,7 +31,9 @@ QUERY_DTYPES = (torch.float16, torch.bfloat16)
 Scale = torch.Tensor | float | None
 
 
-BLOCK_H = 16  # query heads per decode program (a larger group takes several programs per KV head)
+BLOCK_H = 16  # query rows (heads) per decode program (a larger group takes several programs per KV head)
+SHORT_BLOCK_H = 64  # query rows (tokens x heads) per program of a short query
+SHORT_MAX = 16  # causal queries up to this many tokens go through the decode kernel's rows
 
 
 @functools.lru_cache(maxsize=16)
@@ -234,6 +236,20 @@ def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_si
                    max_query_len, num_splits, fused, hip, big_smem, interp, cfg.overrides_key())
 
 
+def short_max(causal: bool) -> int:
+    """The longest query the decode kernel takes (non-causal queries of several tokens go to prefill)."""
+    return SHORT_MAX if causal else 1
+
+
+def decode_rows(group: int, max_query_len: int, causal: bool) -> int:
+    """The decode kernel's rows: 16 for single tokens; 64 (tokens x heads) for a batch of short queries that
+    16 cannot hold. A batch with a prefill keeps 16: its short queries, if any, take a program per few tokens,
+    and its single-token sequences (the usual mix) keep the decode tile."""
+    if max_query_len > short_max(causal) or max_query_len * min(group, BLOCK_H) <= BLOCK_H:
+        return BLOCK_H
+    return SHORT_BLOCK_H
+
+
 @functools.lru_cache(maxsize=4096)
 def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks, max_query_len,
             num_splits, fused, hip, big_smem, interp, overrides) -> tuple:
@@ -248,15 +264,20 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     tile = f"d{head_pad}{'-masked' if pad else ''}"  # 80 and 96 share the masked 128 tile
     out = []
     dc = cfg.decode_tile(head_pad, itemsize, hip, interp)
-    const = {"BLOCK_H": BLOCK_H, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
+    block_h = decode_rows(group, max_query_len, causal)
+    const = {"BLOCK_H": block_h, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
              "FEATURES": decode_features, "FP8_KV": fp8, "INTERP": interp}
-    out.append(CompileVariant(f"attn_decode[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
+    short = "-short" if block_h == SHORT_BLOCK_H else ""
+    # 64 rows of a 128- or 256-wide head: twice the warps keep the accumulator in registers
+    # (gfx942 compile check: 4 warps spill 8 registers at d128, 26 at d256)
+    warps = dc.num_warps * 2 if short and head_pad >= 128 and not interp else dc.num_warps
+    out.append(CompileVariant(f"attn_decode{short}[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
                               decode_kernel, _signature(decode_kernel, qt, kt), const,
-                              cfg.launch_options(dc.num_warps, dc.num_stages, dc.waves_per_eu, hip, interp)))
+                              cfg.launch_options(warps, dc.num_stages, dc.waves_per_eu, hip, interp)))
     if num_splits > 1 and not fused:
         out.append(CompileVariant(f"attn_reduce[{qt}-d{head_pad}]", reduce_kernel, _signature(reduce_kernel, qt, kt),
                                   {"HEAD_PAD": head_pad}, {"num_warps": 4, "num_stages": 1}))
-    if max_query_len > 1:
+    if max_query_len > short_max(causal):
         pc = cfg.prefill_tile(head_pad, itemsize, hip, big_smem, interp)
         const = {"HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_M": pc.block_m, "BLOCK_N": pc.block_n,
                  "FEATURES": features, "FP8_KV": fp8, "INTERP": interp}
@@ -294,9 +315,13 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     has_alibi = int(alibi_slopes is not None)
     has_sinks = int(sinks is not None)
 
-    chunks = triton.cdiv(group, BLOCK_H)
-    dc = cfg.decode_config(num_seqs, num_kv_heads * chunks, head_pad, BLOCK_H, k_cache.element_size(), max_seq_len,
-                           dev_index)
+    smax = short_max(causal)
+    qmax = max(1, min(max_query_len, smax))  # the longest query the decode kernel takes in this call
+    block_h = decode_rows(group, max_query_len, causal)
+    chunks = triton.cdiv(group, block_h)
+    tblocks = triton.cdiv(qmax, block_h // min(group, block_h))
+    dc = cfg.decode_config(num_seqs, num_kv_heads * chunks * tblocks, head_pad, block_h, k_cache.element_size(),
+                           max_seq_len, dev_index)
     num_splits = dc.num_splits
     fused = num_splits > 1 and cfg.fused_reduce(dev)
     plan = select(query.dtype, k_cache.dtype, head_size, block_size, group, causal=causal, window=sliding_window,
@@ -305,30 +330,31 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
                   big_smem=cfg.large_shared_memory(dev_index), interp=interp)
     lock = dummy
     if num_splits > 1:
-        # one workspace: [num_seqs, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs
-        part = torch.empty(num_seqs * num_heads * num_splits * (head_pad + 2), dtype=torch.float32, device=dev)
+        # one workspace: [num_seqs, qmax, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs
+        part = torch.empty(num_seqs * qmax * num_heads * num_splits * (head_pad + 2), dtype=torch.float32,
+                           device=dev)
         if fused:
-            lock = _lock_buffer(dev, num_seqs * num_kv_heads * chunks)
+            lock = _lock_buffer(dev, num_seqs * num_kv_heads * chunks * tblocks)
     else:
         part = dummy
     for v in plan:
         if v.fn is decode_kernel:
-            decode_kernel[(num_seqs, num_kv_heads * chunks, num_splits)](
+            decode_kernel[(num_seqs, num_kv_heads * chunks * tblocks, num_splits)](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                 part, lock, scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
-                num_splits, int(fused), head_size, *q_strides, *kv_strides, *o_strides, block_table.stride(0),
-                **v.constexprs, **v.options,
+                num_splits, int(fused), smax, qmax, tblocks, head_size, *q_strides, *kv_strides, *o_strides,
+                block_table.stride(0), **v.constexprs, **v.options,
             )
         elif v.fn is reduce_kernel:
-            reduce_kernel[(num_seqs, num_heads)](
-                out, query_start_loc, sink_t, part, num_splits, has_sinks, head_size, *o_strides, **v.constexprs,
-                **v.options,
+            reduce_kernel[(num_seqs, num_heads, qmax)](
+                out, query_start_loc, sink_t, part, num_splits, has_sinks, smax, head_size, *o_strides,
+                **v.constexprs, **v.options,
             )
         else:
             grid = (triton.cdiv(max_query_len, v.constexprs["BLOCK_M"]), num_heads, num_seqs)
             prefill_kernel[grid](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
-                scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, head_size,
+                scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, smax, head_size,
                 *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
             )
 
@@ -479,10 +505,12 @@ def compile_variants(target: str) -> list[CompileVariant]:
             for head in HEAD_SIZES:
                 for any_feature in (False, True):
                     for fused in (False, True):
-                        for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0, alibi=any_feature,
-                                        sinks=False, max_query_len=2, num_splits=2, fused=fused, hip=hip,
-                                        big_smem=big_smem, interp=False):
-                            seen.setdefault(variant_key(v), v)
+                        # max_query_len 2 (16 rows hold it at group 4), 16 (the short tile), 17 (with prefill)
+                        for qlen in (2, SHORT_MAX, SHORT_MAX + 1):
+                            for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0,
+                                            alibi=any_feature, sinks=False, max_query_len=qlen, num_splits=2,
+                                            fused=fused, hip=hip, big_smem=big_smem, interp=False):
+                                seen.setdefault(variant_key(v), v)
     return list(seen.values())
 
 

