@@ -86,6 +86,12 @@ def pool_info() -> PoolInfo:
     return info
 
 
+def placed_here() -> bool:
+    """Did a worker in this process place the KV cache (rather than tensor-parallel workers report theirs)?"""
+    info = _pool_info
+    return info is not None and info.world_size == 1
+
+
 def set_remote_pool_info(info: PoolInfo) -> None:
     """The engine core's view of its tensor-parallel workers' pools (see ``tp.after_kv_caches``)."""
     global _pool_info

@@ -158,7 +158,9 @@ def after_kv_caches(engine_core: Any) -> None:
     """After every worker placed its KV cache: one pool description for the scheduler's side."""
     parallel = engine_core.vllm_config.parallel_config
     world = int(parallel.world_size)
-    if world <= 1:
+    if world <= 1 or kv_alloc.placed_here():
+        # one rank, or a worker in this very process (torchrun-style launchers: every rank runs the same
+        # scheduler beside its own worker): the scheduler maps its own pages, as without parallelism
         return
     if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
         raise KVCachedConfigError(
