@@ -448,7 +448,8 @@ class KVCacheManager:
         return PoolUsage(used=int(alloc.num_in_use) * self.page_group_bytes,
                          prealloc=int(alloc.num_reserved) * self.page_group_bytes,
                          capacity=self.num_pages * self.page_group_bytes, device_total=self.device_total,
-                         layout=rt.layout.value, device=rt.device,
+                         layout=rt.layout.value,
+                         device="tp" if rt.choice.kind == "null" else rt.device,  # a TP engine's ranks map it
                          peak=int(alloc.peak_in_use) * self.page_group_bytes)
 
     def reset_peak(self) -> None:

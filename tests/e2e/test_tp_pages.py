@@ -38,7 +38,7 @@ def test_null_runtime_needs_a_budget_and_holds_to_it(monkeypatch: pytest.MonkeyP
         assert m.page_allocator.num_reserved == 0  # no reserve: it would only take the workers' budget
         held = m.alloc(3 * 512)
         assert held is not None and m.alloc(1) is None  # the budget is three pages
-        assert m.usage().used == 3 * group
+        assert m.usage().used == 3 * group and m.usage().device == "tp"  # kvctl's DEVICE column
         m.free(held)
         assert m.alloc(512) is not None
     finally:
