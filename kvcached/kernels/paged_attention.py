@@ -2,8 +2,9 @@
 
 ``paged_attention`` validates its inputs (metadata only: it never reads a device
 tensor on the host) and launches the split-KV decode kernel (plus, under graph
-capture, its reduce) for single-token sequences and, when ``max_query_len > 1``,
-the prefill kernel for the others. Both kernels read each sequence's query length
+capture, its reduce) for single tokens and causal queries of up to ``SHORT_MAX``
+(16) tokens and, when ``max_query_len`` is longer, the prefill kernel for the
+longer ones. Both kernels read each sequence's query length
 on the device, so one call serves any mixed batch. Under torch.compile (or a
 dispatch mode) the launch goes through the ``kvcached::paged_attention`` custom op;
 plain eager calls skip its dispatcher, whose host cost exceeds a small decode.
@@ -315,8 +316,9 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     has_alibi = int(alibi_slopes is not None)
     has_sinks = int(sinks is not None)
 
-    smax = short_max(causal)
-    qmax = max(1, min(max_query_len, smax))  # the longest query the decode kernel takes in this call
+    # the longest query the decode kernel takes in this call; the prefill kernel takes every longer one (a
+    # max_query_len below the real one then leaves rows to nobody, as before, but never writes out of bounds)
+    qmax = max(1, min(max_query_len, short_max(causal)))
     block_h = decode_rows(group, max_query_len, causal)
     chunks = triton.cdiv(group, block_h)
     tblocks = triton.cdiv(qmax, block_h // min(group, block_h))
@@ -342,19 +344,19 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             decode_kernel[(num_seqs, num_kv_heads * chunks * tblocks, num_splits)](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                 part, lock, scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
-                num_splits, int(fused), smax, qmax, tblocks, head_size, *q_strides, *kv_strides, *o_strides,
+                num_splits, int(fused), qmax, qmax, tblocks, head_size, *q_strides, *kv_strides, *o_strides,
                 block_table.stride(0), **v.constexprs, **v.options,
             )
         elif v.fn is reduce_kernel:
             reduce_kernel[(num_seqs, num_heads, qmax)](
-                out, query_start_loc, sink_t, part, num_splits, has_sinks, smax, head_size, *o_strides,
+                out, query_start_loc, sink_t, part, num_splits, has_sinks, qmax, head_size, *o_strides,
                 **v.constexprs, **v.options,
             )
         else:
             grid = (triton.cdiv(max_query_len, v.constexprs["BLOCK_M"]), num_heads, num_seqs)
             prefill_kernel[grid](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
-                scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, smax, head_size,
+                scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, qmax, head_size,
                 *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
             )
 
