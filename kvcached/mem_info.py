@@ -58,6 +58,7 @@ _LIMIT_OFF = _BODY_OFF
 _LIMIT_NS_OFF = _BODY_OFF + 7 * 8
 _PEAK_OFF = _BODY_OFF + 128  # peak_used; then peak_reset_ns (asked by kvctl), peak_since_ns (applied)
 _PEAK_RESET_OFF = _PEAK_OFF + 8
+_PEAK_SINCE_OFF = _PEAK_OFF + 16
 NO_LIMIT = -1
 
 SHM_DIR = "/dev/shm"
@@ -294,6 +295,10 @@ def request_peak_reset(name: str) -> int:
 
 def wait_peak_reset(name: str, stamp: int, timeout: float = 5.0) -> MemInfo:
     """Wait until the owner applied the reset ``stamp``; TimeoutError (saying why) if it does not."""
+    if not isinstance(stamp, int) or isinstance(stamp, bool) or stamp <= 0:
+        raise ValueError(f"stamp must be the int that request_peak_reset returned, got {stamp!r}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}.")
     deadline = time.monotonic() + timeout
     while True:
         info = read_segment(name)
@@ -473,7 +478,7 @@ class Publisher:
             ack = []
             if info.peak_reset_ns > info.peak_since_ns:
                 self.reset_peak()
-                ack = [(_PEAK_RESET_OFF + 8, "<q", (info.peak_reset_ns,))]
+                ack = [(_PEAK_SINCE_OFF, "<q", (info.peak_reset_ns,))]
             self.publish(w)
             if ack:  # after the publish: a reader that sees the ack sees the new window's peak
                 w.write(ack)

@@ -142,6 +142,11 @@ def test_kvctl_peak_reset_of_an_engine_that_is_gone_fails_with_a_reason(name: st
     stamp = mem_info.request_peak_reset(name)
     with pytest.raises(TimeoutError, match="not applied"):
         mem_info.wait_peak_reset(name, stamp, timeout=0.3)
+    for bad in ({"stamp": "now"}, {"stamp": 0}, {"stamp": stamp, "timeout": -1}, {"stamp": stamp, "timeout": None}):
+        with pytest.raises(ValueError, match="stamp|timeout"):
+            mem_info.wait_peak_reset(name, **bad)
+    with pytest.raises(ValueError, match="is a path, not a name"):
+        mem_info.request_peak_reset("../kvcached_x")  # names only, never a path
     assert _kvctl("peak", "kvcached_no_such_segment").returncode == 1
 
 

@@ -32,7 +32,6 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, vocab_size: int = 384, h
     ``sliding_window``: every other layer (the even ones) attends to that many tokens only, as
     ``layer_types`` declares it (gpt-oss, Gemma 2/3 style): vLLM then forms two KV cache groups.
     """
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -67,8 +66,15 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, vocab_size: int = 384, h
     if sliding_window is not None:
         config.sliding_window = sliding_window
         config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    return _save_random(LlamaForCausalLM, config, path, seed)
+
+
+def _save_random(model_cls: type, config: object, path: Path, seed: int, drop: tuple[str, ...] = ()) -> Path:
+    """Random float32 weights of ``model_cls(config)`` saved at ``path``; ``drop``: config keys to leave out."""
+    import torch
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     # Larger weights than the default init make the logits peaked enough that
     # greedy decoding is stable and differs between prompts.
     with torch.no_grad():
@@ -78,6 +84,8 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, vocab_size: int = 384, h
     model.save_pretrained(path, safe_serialization=True)
     cfg = json.loads((path / "config.json").read_text())
     cfg["torch_dtype"] = "float32"
+    for key in drop:
+        cfg.pop(key, None)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
@@ -88,7 +96,6 @@ def make_tiny_mamba_hybrid(path: str | Path, *, seed: int = 0) -> Path:
     vLLM forms a Mamba group and an attention group and pads each Mamba state page up to the
     attention page, so the two share kvcached's slots. Layers: 0 and 2 Mamba2, 1 and 3 attention.
     """
-    import torch
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     path = Path(path)
@@ -105,15 +112,5 @@ def make_tiny_mamba_hybrid(path: str | Path, *, seed: int = 0) -> Path:
         mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=64,
     )
-    torch.manual_seed(seed)
-    model = GraniteMoeHybridForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["torch_dtype"] = "float32"
-    cfg.pop("time_step_limit", None)  # (0, inf): JSON has no infinity, and it is the default anyway
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
+    # time_step_limit (0, inf): JSON has no infinity, and it is the default anyway
+    return _save_random(GraniteMoeHybridForCausalLM, config, path, seed, drop=("time_step_limit",))

@@ -218,10 +218,9 @@ def capacity_bytes(num_layers: int) -> int:
     return interfaces.virtual_bytes_per_kv(rt, num_layers, 2) * 2 * num_layers
 
 
-def _place(num_blocks: int, block_size: int, cell: int, num_layers: int, kv_factor: int,
-           device: Any) -> tuple[list[torch.Tensor], dict[str, Any], int]:
-    """Reserve virtual KV tensors for ``num_blocks`` blocks; record the pool geometry."""
-    global _pool_info
+def reserve_tensors(num_blocks: int, block_size: int, cell: int, num_layers: int, kv_factor: int,
+                    device: Any) -> tuple[list[torch.Tensor], dict[str, Any], int]:
+    """Virtual KV tensors for ``num_blocks`` blocks in a fresh group (views, meta, group id)."""
     group_id = 0  # a fresh group per engine, so a second engine in this process starts clean
     while vmm_ops.kv_tensors_created(group_id):
         group_id += 1
@@ -238,6 +237,14 @@ def _place(num_blocks: int, block_size: int, cell: int, num_layers: int, kv_fact
             f"vLLM planned {num_blocks} KV blocks but kvcached's virtual tensors hold "
             f"{meta['num_blocks_per_layer']}; lower --kv-cache-memory-bytes or raise KVCACHED_HOST_MEM_LIMIT_MB."
         )
+    return views, meta, group_id
+
+
+def _place(num_blocks: int, block_size: int, cell: int, num_layers: int, kv_factor: int,
+           device: Any) -> tuple[list[torch.Tensor], dict[str, Any], int]:
+    """Reserve virtual KV tensors for ``num_blocks`` blocks; record the pool geometry."""
+    global _pool_info
+    views, meta, group_id = reserve_tensors(num_blocks, block_size, cell, num_layers, kv_factor, device)
     with _lock:
         _pool_info = PoolInfo(num_blocks, block_size, cell, num_layers, group_id, kv_factor)
     kv_zero.record(meta["geometry"], meta["raw_kv_tensors"], num_blocks)

@@ -181,6 +181,20 @@ def _patch_scheduler_side() -> None:
     sched.Scheduler.shutdown = scheduler_shutdown
 
 
+def _run_after(owner: Any, name: str, hook: Any) -> None:
+    """``owner.name`` then ``hook(self, result)``; the original's result is returned unchanged."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        hook(self, result)
+        return result
+
+    wrapped._kvcached = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapped)
+
+
 def _patch_tensor_parallel() -> None:
     """The hooks of :mod:`tp`: pool reports after the KV caches exist, page changes on every step's output,
     applied by each worker before its step, flushed when the engine goes idle. Inert at TP = 1."""
@@ -190,33 +204,11 @@ def _patch_tensor_parallel() -> None:
 
     from kvcached.integration.vllm import tp
 
-    init_caches = core.EngineCore._initialize_kv_caches
-    if getattr(init_caches, "_kvcached", False):
+    if getattr(core.EngineCore._initialize_kv_caches, "_kvcached", False):
         return
-
-    @functools.wraps(init_caches)
-    def _initialize_kv_caches(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = init_caches(self, *args, **kwargs)
-        tp.after_kv_caches(self)
-        return result
-
-    schedule = sched.Scheduler.schedule
-
-    @functools.wraps(schedule)
-    def schedule_with_pages(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = schedule(self, *args, **kwargs)
-        pool = self.kv_cache_manager.block_pool
-        if getattr(pool, "tp_changes", None) is not None:
-            setattr(output, tp.ATTR, pool.take_page_changes())
-        return output
-
-    post_step = core.EngineCore.post_step
-
-    @functools.wraps(post_step)
-    def post_step_flush(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = post_step(self, *args, **kwargs)
-        tp.flush_if_idle(self)
-        return result
+    _run_after(core.EngineCore, "_initialize_kv_caches", lambda engine, _: tp.after_kv_caches(engine))
+    _run_after(sched.Scheduler, "schedule", tp.attach_page_changes)
+    _run_after(core.EngineCore, "post_step", lambda engine, _: tp.flush_if_idle(engine))
 
     execute = gpu_worker.Worker.execute_model
 
@@ -225,16 +217,12 @@ def _patch_tensor_parallel() -> None:
         tp.on_step(scheduler_output)
         return execute(self, scheduler_output, *args, **kwargs)
 
-    for fn in (_initialize_kv_caches, schedule_with_pages, post_step_flush, execute_model):
-        fn._kvcached = True  # type: ignore[attr-defined]
+    execute_model._kvcached = True  # type: ignore[attr-defined]
+    gpu_worker.Worker.execute_model = execute_model
     # by name, as collective_rpc("kvcached_rank_state") reaches them from any client without pickled code
     gpu_worker.Worker.kvcached_report_pool = tp.report_pool
     gpu_worker.Worker.kvcached_apply_pages = tp.apply_pages
     gpu_worker.Worker.kvcached_rank_state = tp.rank_state
-    core.EngineCore._initialize_kv_caches = _initialize_kv_caches
-    sched.Scheduler.schedule = schedule_with_pages
-    core.EngineCore.post_step = post_step_flush
-    gpu_worker.Worker.execute_model = execute_model
 
 
 def _patch_cpu_executor() -> None:

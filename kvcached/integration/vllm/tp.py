@@ -32,7 +32,6 @@ import torch
 from kvcached import config, vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.integration.vllm import interfaces, kv_alloc
-from kvcached.layout import KVGeometry, KVSpec
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -50,13 +49,10 @@ class WorkerPages:
     def __init__(self, info: kv_alloc.PoolInfo) -> None:
         rt = vmm_ops.runtime()
         r = config.reserve_config()
-        # the page of a block, as the scheduler's KVCacheManager computes it
-        geom = KVGeometry(KVSpec(info.num_layers, info.num_blocks, info.block_size, 1, info.cell_size, torch.uint8,
-                                 info.kv_factor), rt.layout, rt.page_size)
-        num_pages = geom.num_pages
-        with vmm_ops._lock:
+        with vmm_ops._lock:  # every page of the tensors: the scheduler hands out no more
             group = vmm_ops.get_group(info.group_id)
-            self.alloc = group.take(self, num_pages, r.min_reserved_pages, r.max_reserved_pages, r.prealloc)
+            self.alloc = group.take(self, group.geometry.num_pages, r.min_reserved_pages, r.max_reserved_pages,
+                                    r.prealloc)
         self.alloc.map_pages([0])  # block 0, vLLM's null block, lives in page 0 on every rank
         self.asynchronous = rt.choice.kind in ("cuda", "hip")
         self.pending: list[tuple[Any, set[int]]] = []  # (event, pages) unmapped once the event has completed
@@ -189,16 +185,18 @@ def scheduler_manager(info: kv_alloc.PoolInfo, num_blocks: int) -> Any:
         interfaces.init_kvcached(device="null", contiguous_layout=info.layout == "contiguous",
                                  null_budget=info.rank_bytes * w)
     # one pretend layer set per rank: a page index is then every rank's memory behind it
-    shape: tuple[int, ...] = ((num_blocks, info.block_size, info.cell_size) if info.kv_factor == 1
-                              else (2, num_blocks, info.block_size, 1, info.cell_size))
-    group = 0
-    while vmm_ops.kv_tensors_created(group):
-        group += 1
-    interfaces.alloc_kv_cache(shape, info.block_size, torch.uint8, "null", info.num_layers * w,
-                              attention_type="MLA" if info.kv_factor == 1 else "MHA", group_id=group)
+    _, _, group = kv_alloc.reserve_tensors(num_blocks, info.block_size, info.cell_size, info.num_layers * w,
+                                           info.kv_factor, "null")
     return interfaces.get_kv_cache_manager(num_blocks, info.block_size, info.cell_size, info.num_layers * w,
                                            num_kv_buffers=info.kv_factor, group_id=group, pool_name="vllm",
                                            reserve_null_block=True)
+
+
+def attach_page_changes(scheduler: Any, output: Any) -> None:
+    """After ``Scheduler.schedule``: the step's output carries the page changes to every worker."""
+    pool = scheduler.kv_cache_manager.block_pool
+    if getattr(pool, "tp_changes", None) is not None:
+        setattr(output, ATTR, pool.take_page_changes())
 
 
 class PageChanges:
