@@ -104,3 +104,20 @@ def test_worker_unmaps_after_queued_work_and_keeps_pages_handed_out_again(monkey
         tp.reset_worker()
         interfaces.shutdown_kvcached()
         kv_alloc.reset()
+
+
+def test_scheduler_takes_the_workers_page_size_and_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its environment may say otherwise: a block must sit in the same page number here and on the ranks."""
+    monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_e2e_tps_{os.getpid()}")
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE_MB", "8")
+    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "true")
+    info = kv_alloc.PoolInfo(1024, 16, 4096, 2, 0, 1, world_size=2, rank_bytes=1 << 30, layout="per_layer",
+                             page_size=2 * MiB)
+    try:
+        m = tp.scheduler_manager(info, 1024)
+        rt = vmm_ops.runtime()
+        assert (rt.page_size, rt.layout.value, rt.choice.kind) == (2 * MiB, "per_layer", "null")
+        assert m.blocks_per_page == 2 * MiB // (16 * 4096)
+        m.close()
+    finally:
+        interfaces.shutdown_kvcached()

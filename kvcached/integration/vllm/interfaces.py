@@ -36,11 +36,11 @@ def _default_device() -> str:
 
 def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_worker: bool = False,
                   device: str | None = None, async_sched: bool = False,
-                  contiguous_layout: bool | None = None, null_budget: int = 0) -> None:
+                  contiguous_layout: bool | None = None, null_budget: int = 0, page_size: int | None = None) -> None:
     """Start kvcached for this vLLM process (idempotent: a second call only updates flags).
 
     ``device="null"`` with ``null_budget`` bytes: the bookkeeping-only runtime of a tensor-parallel
-    engine's scheduler (see :mod:`kvcached.integration.vllm.tp`).
+    engine's scheduler (see :mod:`kvcached.integration.vllm.tp`). ``page_size`` None: ``KVCACHED_PAGE_SIZE_MB``.
     """
     global _kvcached_initialized, _kvcached_device, _async_sched, _world_size, _pp_rank, _is_worker
     if world_size != 1:
@@ -54,7 +54,7 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
         _pp_rank = pp_rank
         return
     device = "null" if device == "null" else normalize_gpu_device(device or _default_device())
-    vmm_ops.init_kvcached(device, None, contiguous_layout, null_budget=null_budget)
+    vmm_ops.init_kvcached(device, page_size, contiguous_layout, null_budget=null_budget)
     _kvcached_initialized = True
     _kvcached_device = device
     _world_size, _pp_rank, _async_sched, _is_worker = world_size, pp_rank, async_sched, is_worker

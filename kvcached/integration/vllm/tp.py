@@ -182,8 +182,10 @@ def scheduler_manager(info: kv_alloc.PoolInfo, num_blocks: int) -> Any:
     """The scheduler's KVCacheManager on the null backend, counting every rank's pages."""
     w = info.world_size
     if not vmm_ops.is_initialized():
+        # the workers' page size and layout, whatever this process's environment says: a block's page
+        # must be the same number here and on every rank
         interfaces.init_kvcached(device="null", contiguous_layout=info.layout == "contiguous",
-                                 null_budget=info.rank_bytes * w)
+                                 null_budget=info.rank_bytes * w, page_size=info.page_size)
     # one pretend layer set per rank: a page index is then every rank's memory behind it
     _, _, group = kv_alloc.reserve_tensors(num_blocks, info.block_size, info.cell_size, info.num_layers * w,
                                            info.kv_factor, "null")
