@@ -113,6 +113,13 @@ def run_config(model: str, args: argparse.Namespace, env_extra: dict, engine: di
     return {"error": f"rc {proc.returncode}: {tail}"}
 
 
+TIMELINE_PLAN = (
+    "Llama-3-8B shape (dummy weights), CUDA graphs, async scheduling, both engines uncapped. Each burst is 48 "
+    "prompts of 512 random tokens + 256 generated. A: idle 1 s, burst, 3 s, idle 3 s, burst, 2 s. B: idle 4 s, "
+    "burst, 2 s, burst, 2 s. Mapped memory is each engine's /dev/shm segment, sampled every "
+    "20 ms; device free memory from the driver.")
+
+
 def timeline(model: str, out_png: Path, workdir: Path) -> str:
     """Two kvcached engines on a bursty trace: A bursts, then B while A drains, then both; mapped memory over time."""
     rng = random.Random(1)
@@ -183,7 +190,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=400)
     ap.add_argument("--no-timeline", action="store_true")
-    ap.add_argument("--only", help="comma-separated config numbers (0-based)")
+    ap.add_argument("--only", help="comma-separated config numbers (0-based); 'none' runs only the timeline")
     args = ap.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -202,19 +209,23 @@ def main() -> None:
     (model / "config.json").write_text(json.dumps(LLAMA3_8B))
     import vllm
 
-    chosen = range(len(CONFIGS)) if not args.only else [int(i) for i in args.only.split(",")]
-    rows, text = {}, ""
+    chosen = (range(len(CONFIGS)) if not args.only else [] if args.only == "none"
+              else [int(i) for i in args.only.split(",")])
+    rows = {}
     for i in chosen:
         name, env_extra, engine = CONFIGS[i]
         r = run_config(str(model), args, env_extra, engine)
         rows[name] = r
         print(name, {k: v for k, v in r.items() if k != "error"} or r["error"][-800:], flush=True)
-        text = write_table(rows, args, env, slug, vllm.__version__)  # a run cut short still leaves its rows
+        print(write_table(rows, args, env, slug, vllm.__version__))  # a run cut short still leaves its rows
     if not args.no_timeline:
-        text += "\n### Two engines, one GPU, bursty trace\n\n" + timeline(str(model), RESULTS /
-                                                                      f"serving_timeline_{slug}.png", work) + "\n"
-        (RESULTS / f"serving_{slug}.md").write_text(text)
-    print(text)
+        # its own file: a timeline run alone (--only none) leaves the throughput table as it was
+        result = timeline(str(model), RESULTS / f"serving_timeline_{slug}.png", work)
+        header = "\n".join(f"- {k}: {v}" for k, v in env.items())
+        text = (f"# Two vLLM {vllm.__version__} engines with kvcached on one GPU ({slug}), bursty trace\n\n"
+                f"{header}\n\n{TIMELINE_PLAN}\n\n{result}\n")
+        (RESULTS / f"serving_timeline_{slug}.md").write_text(text)
+        print(text)
 
 
 def write_table(rows: dict, args: argparse.Namespace, env: dict, slug: str, version: str) -> str:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build kvcached, run the GPU tests and the benchmarks; everything lands under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|vllm|tp|serving|vmm|kernels|quick] [BUNDLE_DIR]
-# (tp: the tensor-parallel engine test alone, on the two-GPU machine, kind nvidia-h200-x2)
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|quick] [BUNDLE_DIR]
+# (tp: the tensor-parallel engine test alone, on the two-GPU machine, kind nvidia-h200-x2; timeline: the
+# two-engine plot of bench_serving alone; `all` runs neither, since vllm and serving hold them)
 # With a vLLM bundle (../shared/tools/vllm-gpu-bundle/build.sh BUNDLE_DIR; default .gpu-bundle) vLLM's CUDA
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 set -uo pipefail
@@ -35,13 +36,19 @@ python3 -c "from importlib.metadata import entry_points as e; print('plugin', [x
 
 if has tests || has quick; then
   log "gpu tests (kernels, VMM, async unmap)"
-  timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e \
+  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e \
     --ignore=tests/gpu/test_vllm_gpu.py --tb=short 2>&1 | tee "$OUT/gpu_tests_full.log" | tail -25
+fi
+if has upstream && [[ -d .upstream-tests ]]; then
+  # the existing kvcached's own tests (not in this repository: copy them to .upstream-tests and carry it)
+  log "upstream kvcached tests"
+  PYTHON=python3 timeout 120 bash tools/run_upstream_tests.sh .upstream-tests 2>&1 | tee "$OUT/upstream_tests.log" | tail -15
 fi
 if has vllm; then
   log "gpu vLLM tests"
+  # VLLM_TESTS_K: a pytest -k filter (with GPU_TEST_ENGINES, see tests/gpu/test_vllm_gpu.py)
   timeout "${VLLM_TESTS_TIMEOUT:-560}" python3 -m pytest -q -s tests/gpu/test_vllm_gpu.py tests/gpu/test_async_unmap_gpu.py \
-    -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_vllm_tests.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
+    ${VLLM_TESTS_K:+-k "$VLLM_TESTS_K"} -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_vllm_tests.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
 fi
 if [[ " ${what//,/ } " == *" tp "* ]]; then
   log "gpu vLLM tensor parallel (2 GPUs)"
@@ -51,6 +58,10 @@ fi
 if has serving; then
   log "bench_serving"
   timeout "${SERVING_TIMEOUT:-560}" python3 benchmarks/bench_serving.py ${SERVING_ARGS:-} 2>&1 | tee "$OUT/bench_serving.log" | tail -30
+fi
+if [[ " ${what//,/ } " == *" timeline "* ]]; then
+  log "bench_serving timeline alone"
+  timeout "${SERVING_TIMEOUT:-300}" python3 benchmarks/bench_serving.py --only none 2>&1 | tee "$OUT/bench_timeline.log" | tail -12
 fi
 if has vmm; then
   log "bench_vmm"

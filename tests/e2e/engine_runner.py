@@ -156,6 +156,22 @@ def _wait_for(path: str | None, timeout: float = 600) -> None:
         time.sleep(0.05)
 
 
+def _granite_layer_names() -> None:
+    """vLLM 0.24 knows Granite-4.0-H's layer types by their names before transformers 5.13 ("mamba",
+    "attention"); transformers >= 5.13 loads every config under the new names ("linear_attention",
+    "full_attention"), so plain vLLM 0.24 cannot build the model at all. vLLM 0.27 added the new names
+    to the same table; this adds them the same way, in this engine process (the GPU machine has
+    transformers 5.17). Nothing of kvcached is involved."""
+    try:
+        from vllm.model_executor.models import granitemoehybrid as g
+    except ImportError:
+        return
+    table = getattr(g, "ALL_DECODER_LAYER_TYPES", None)
+    if isinstance(table, dict) and "mamba" in table:
+        table.setdefault("linear_attention", table["mamba"])
+        table.setdefault("full_attention", table["attention"])
+
+
 def main() -> None:
     arg = sys.argv[1]
     if arg.startswith("@"):  # a spec too long for the command line
@@ -163,6 +179,8 @@ def main() -> None:
             arg = f.read()
     spec = json.loads(arg)
     from vllm import LLM, SamplingParams
+
+    _granite_layer_names()
 
     kwargs = dict(model=spec["model"], max_model_len=spec.get("max_model_len", 256),
                   enforce_eager=spec.get("enforce_eager", True), dtype=spec.get("dtype", "float32"), seed=0,
