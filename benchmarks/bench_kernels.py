@@ -4,6 +4,7 @@
     python benchmarks/bench_kernels.py            # full run (GPU, < 6 min on an H200)
     python benchmarks/bench_kernels.py --quick    # a handful of shapes
     python benchmarks/bench_kernels.py --quick --device cpu   # plumbing only (Triton interpreter)
+    python benchmarks/bench_kernels.py --only short           # some sections (kernels_<gpu>_short.md)
 
 Runs unchanged on NVIDIA and ROCm. Ceilings are measured in the same run; every
 timed kernel's output is first checked against a float64 reference on a slice.
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 KV_HEADS, Q_HEADS, HEAD, BLOCK = 8, 32, 128, 16
+SECTIONS = ("decode", "prefill", "write", "mla", "short")
 GB = 1e9
 
 
@@ -43,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="cuda (default when a GPU is there) or cpu (interpreter)")
     ap.add_argument("--mem-gb", type=float, default=100.0, help="skip shapes whose largest phase exceeds this")
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (its compiles are slow)")
+    ap.add_argument("--only", default="", help="comma-separated sections of " + ",".join(SECTIONS) +
+                    "; the table then goes to kernels_<gpu>_<sections>.md, leaving the full one as it was")
     return ap.parse_args()
 
 
@@ -549,6 +553,11 @@ def main() -> int:
     else:  # interpreter: plumbing only
         decode_shapes, prefill_sizes, write_tokens = [(1, 64), (2, 32)], [32], 256
         mla_shapes, flex_shapes, flex_prefill = [(1, 16, 32)], {(1, 64)}, {32}
+    only = [x for x in ARGS.only.split(",") if x]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"--only: unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+    want = set(only or SECTIONS)
     env = environment(DEV)
     ceil_tab = Table("Ceilings measured in this run", ["what", "size", "time (us)", "rate"])
     ceil = ceilings(ceil_tab)
@@ -557,37 +566,43 @@ def main() -> int:
                  "time / ours per-layer", "check vs fp64", "note"])
     dec.notes.append("eager: do_bench of the Python call (includes the host's launch cost); graph: the same call "
                      "replayed from a CUDA graph, what a serving engine sees. TB/s and ratios use the graph time.")
-    series = run_decode(dec, ceil, decode_shapes, flex_shapes)
+    series = run_decode(dec, ceil, decode_shapes, flex_shapes) if "decode" in want else {}
     pre = Table("Prefill: one causal prompt", ["tokens", "impl", "time (us)", "TFLOP/s", "% matmul ceiling",
                                                 "ours / SDPA TFLOP/s", "check vs fp64"])
-    run_prefill(pre, ceil, prefill_sizes, flex_prefill)
+    if "prefill" in want:
+        run_prefill(pre, ceil, prefill_sizes, flex_prefill)
     wr = Table("KV-cache write", ["tokens", "impl", "time (us)", "TB/s", "% copy ceiling", "contig/per-layer time",
                                   "check"])
-    run_write(wr, ceil, write_tokens)
+    if "write" in want:
+        run_write(wr, ceil, write_tokens)
     mla = Table("MLA decode: latent 576 (512 + 64 rope), block 16", ["batch", "heads", "context", "impl", "time (us)",
                                                                       "TB/s", "% gather ceiling", "TFLOP/s",
                                                                       "contig/per-layer time", "check vs fp64"])
-    run_mla(mla, ceil, mla_shapes)
+    if "mla" in want:
+        run_mla(mla, ceil, mla_shapes)
     short = Table(f"Short queries (speculative decoding): bf16, {Q_HEADS}/{KV_HEADS} heads, head {HEAD}, block "
                   f"{BLOCK}, causal", ["batch", "context", "q tokens", "impl", "graph (us)", "TB/s",
                                        "% gather ceiling", "time / ours at q=1", "check vs fp64", "note"])
     short.notes.append("bytes = K and V of every sequence read once (as at q=1) + query in and output out; the "
                        "goal at q=4 is 1.15x the q=1 time. vLLM's peers come from its CUDA build when importable.")
-    run_short(short, ceil, *((64, 8192) if GPU else (2, 64)), (1, 2, 4, 8, 16))
+    if "short" in want:
+        run_short(short, ceil, *((64, 8192) if GPU else (2, 64)), (1, 2, 4, 8, 16))
 
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = gpu_slug(DEV)
-    plot_note = plot(series, out / f"kernels_{slug}.png")
+    stem = f"kernels_{slug}" + ("_" + "_".join(x for x in SECTIONS if x in want) if only else "")
+    plot_note = plot(series, out / f"{stem}.png") if series else "no decode plot"
     header = [f"# Kernel benchmark ({slug})", ""] + [f"- {k}: {v}" for k, v in env.items()]
     header += [f"- wall time: {time.time() - t_start:.0f} s; {plot_note}",
                f"- correctness: {'all checks passed' if not FAILED_CHECKS else 'FAILED: ' + '; '.join(FAILED_CHECKS)}",
                "", "Formulas: see the docstring of benchmarks/bench_kernels.py (bytes = K+V read once; "
                "FLOPs = 4*B*H*S*D decode, 4*H*D*n(n+1)/2 causal prefill).", ""]
-    text = "\n".join(header) + "\n" + "\n".join(t.markdown() for t in (ceil_tab, dec, pre, wr, mla, short))
-    (out / f"kernels_{slug}.md").write_text(text)
+    tables = [ceil_tab] + [t for name, t in zip(SECTIONS, (dec, pre, wr, mla, short), strict=True) if name in want]
+    text = "\n".join(header) + "\n" + "\n".join(t.markdown() for t in tables)
+    (out / f"{stem}.md").write_text(text)
     print(text)
-    print(f"wrote {out / f'kernels_{slug}.md'}")
+    print(f"wrote {out / f'{stem}.md'}")
     return 1 if FAILED_CHECKS else 0
 
 

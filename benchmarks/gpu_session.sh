@@ -65,12 +65,12 @@ if [[ " ${what//,/ } " == *" timeline "* ]]; then
 fi
 if has vmm; then
   log "bench_vmm"
-  timeout 90 python3 benchmarks/bench_vmm.py 2>&1 | tail -60 | tee "$OUT/bench_vmm.log"
+  timeout "${VMM_TIMEOUT:-90}" python3 benchmarks/bench_vmm.py 2>&1 | tail -60 | tee "$OUT/bench_vmm.log"
 fi
 if has kernels || has quick; then
   log "bench_kernels"
   mode=""; [[ "$what" == quick ]] && mode="--quick"
-  timeout 300 python3 benchmarks/bench_kernels.py $mode ${BENCH_ARGS:-} 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
+  timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/bench_kernels.py $mode ${BENCH_ARGS:-} 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
 fi
 log "collect"
 tar czf "$OUT/results.tar.gz" benchmarks/results
