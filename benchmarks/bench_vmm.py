@@ -76,36 +76,41 @@ def kv_spec(num_blocks: int) -> KVSpec:
                   dtype=torch.bfloat16)
 
 
-def build(backend, geom: KVGeometry, min_res=0, max_res=0, prealloc=False, zero_chunk=0):
+def build(backend, geom: KVGeometry, min_res=0, max_res=0, prealloc=False, zero_chunk=0, max_run_pages=0):
     t0 = time.perf_counter()
     vts = [_vmm.VirtualTensor(backend, geom.tensor_bytes, geom.unit_bytes, zero_chunk)
            for _ in range(geom.num_tensors)]
-    pa = _vmm.PageAllocator(backend, vts, geom.regions(), geom.num_pages, min_res, max_res, prealloc)
+    pa = _vmm.PageAllocator(backend, vts, geom.regions(), geom.num_pages, min_res, max_res, prealloc,
+                            max_run_pages=max_run_pages)
     return vts, pa, (time.perf_counter() - t0) * 1e3
 
 
-def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int, zero_chunk: int = 0) -> dict[str, float]:
+def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int, zero_chunk: int = 0,
+                 max_run_pages: int = 0) -> dict[str, float]:
     spec0 = kv_spec(1)
     bytes_per_block = spec0.block_bytes * spec0.num_layers * 2
     num_blocks = max(virtual_bytes // bytes_per_block, 1024)
     geom = KVGeometry(kv_spec(int(num_blocks)), layout, PAGE)
-    vts, pa, create_ms = build(backend, geom, zero_chunk=zero_chunk)
+    vts, pa, create_ms = build(backend, geom, zero_chunk=zero_chunk, max_run_pages=max_run_pages)
     zero_maps = sum(v.num_zero_mappings for v in vts)
     pool = _vmm.BlockPool(pa, geom.blocks_per_page, geom.num_blocks)
     grow_blocks = GiB // bytes_per_block  # 512 blocks = 1 GiB of KV
     grow, shrink = [], []
+    runs = 0
     pa.reset_phase_times()
     for _ in range(reps):
         t0 = time.perf_counter()
         ids = pool.alloc(grow_blocks)
         t1 = time.perf_counter()
         assert ids is not None, "could not map 1 GiB"
+        runs = len(pa.runs())
         pool.free(ids)
         t2 = time.perf_counter()
         grow.append((t1 - t0) * 1e3)
         shrink.append((t2 - t1) * 1e3)
     phases = {k: (us / reps / 1e3, calls // reps) for k, (us, calls) in pa.phase_times().items()}
     vts_chunk_mib = vts[0].zero_chunk / MiB
+    max_run = pa.max_run_pages
     pa.close()
     t0 = time.perf_counter()
     del pool, pa, vts
@@ -122,6 +127,8 @@ def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int, zero_ch
         "phases": phases,
         "zero_maps": zero_maps,
         "zero_chunk_mib": vts_chunk_mib,
+        "runs": runs,
+        "max_run_pages": max_run,
     }
 
 
@@ -194,6 +201,8 @@ def main() -> None:
     ap.add_argument("--breakdown-units", type=int, default=2048,
                     help="2 MiB units of the zero-page breakdown experiments (0: skip them)")
     ap.add_argument("--pairs", type=int, default=300_000)
+    ap.add_argument("--no-page-runs", dest="page_runs", action="store_false",
+                    help="skip the comparison row with one page per run (the mapping before runs)")
     ap.add_argument("--host-limit-gib", type=float, default=4.0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -212,6 +221,9 @@ def main() -> None:
     if args.zero_chunk_mib:
         layouts[f"per_layer, zero_chunk {args.zero_chunk_mib} MiB"] = bench_layout(
             backend, Layout.PER_LAYER, virtual, args.reps, args.zero_chunk_mib * MiB)
+        if args.page_runs:  # as before runs: one allocation and mapping per page and region
+            layouts[f"per_layer, zero_chunk {args.zero_chunk_mib} MiB, runs of 1 page"] = bench_layout(
+                backend, Layout.PER_LAYER, virtual, args.reps, args.zero_chunk_mib * MiB, max_run_pages=1)
     pool = bench_pool_fast_path(backend, args.pairs)
     mgr = bench_manager(args.backend, args.pairs // 3)
 
@@ -257,13 +269,17 @@ def main() -> None:
         "",
         "## KV cache: 32 layers, bf16, block 16, 8 KV heads, head size 128 (1 GiB = 512 blocks)",
         "",
-        "| layout | tensors | virtual GiB | zero mappings | create KV tensors ms | grow 1 GiB ms (p50 / min) "
-        "| shrink 1 GiB ms (p50 / min) | destroy ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "Pages mapped in one call form runs (one physical allocation per region, at most `max run` pages); "
+        "`runs` is how many one grow of 1 GiB made.",
+        "",
+        "| layout | tensors | virtual GiB | zero mappings | max run | runs | create KV tensors ms "
+        "| grow 1 GiB ms (p50 / min) | shrink 1 GiB ms (p50 / min) | destroy ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for lay, r in layouts.items():
         lines.append(
-            f"| {lay} | {r['num_tensors']} | {r['virtual_gib']:.1f} | {r['zero_maps']} | {r['create_ms']:.1f} | "
+            f"| {lay} | {r['num_tensors']} | {r['virtual_gib']:.1f} | {r['zero_maps']} | {r['max_run_pages']} | "
+            f"{r['runs']} | {r['create_ms']:.1f} | "
             f"{r['grow_ms']:.2f} / {r['grow_min_ms']:.2f} | {r['shrink_ms']:.2f} / {r['shrink_min_ms']:.2f} | "
             f"{r['destroy_ms']:.1f} |"
         )

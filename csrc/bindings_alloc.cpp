@@ -90,16 +90,18 @@ void bind_allocators(py::module_& m) {
   py::class_<PageAllocator, std::shared_ptr<PageAllocator>>(m, "PageAllocator")
       .def(py::init([](std::shared_ptr<Backend> backend, std::vector<std::shared_ptr<VirtualTensor>> tensors,
                        py::object regions, py::object num_pages, py::object min_reserved, py::object max_reserved,
-                       bool prealloc) {
+                       bool prealloc, py::object max_run_pages) {
              int64_t n = py_int(num_pages, "num_pages"), lo = py_int(min_reserved, "min_reserved");
-             int64_t hi = py_int(max_reserved, "max_reserved");
+             int64_t hi = py_int(max_reserved, "max_reserved"), run = py_int(max_run_pages, "max_run_pages");
              auto specs = parse_regions(regions);
              py::gil_scoped_release rel;
              return std::make_shared<PageAllocator>(std::move(backend), std::move(tensors), std::move(specs),
-                                                    n, lo, hi, prealloc);
+                                                    n, lo, hi, prealloc, run);
            }),
            py::arg("backend"), py::arg("tensors"), py::arg("regions"), py::arg("num_pages"),
-           py::arg("min_reserved") = 0, py::arg("max_reserved") = 0, py::arg("prealloc") = false)
+           py::arg("min_reserved") = 0, py::arg("max_reserved") = 0, py::arg("prealloc") = false,
+           py::arg("max_run_pages") = 0,
+           "max_run_pages: most pages one physical allocation (run) may hold; 0 = 1 GiB worth, at least 1.")
       .def("alloc_pages", [](PageAllocator& pa, py::object n_obj) {
         int64_t n = py_int(n_obj, "n");
         std::vector<int64_t> out;
@@ -155,6 +157,10 @@ void bind_allocators(py::module_& m) {
       .def_property_readonly("max_reserved", &PageAllocator::max_reserved)
       .def_property_readonly("mapped_bytes", &PageAllocator::mapped_bytes)
       .def_property_readonly("page_bytes", &PageAllocator::page_bytes)
+      .def_property_readonly("max_run_pages", &PageAllocator::max_run_pages)
+      .def("runs", &PageAllocator::runs, py::call_guard<py::gil_scoped_release>(),
+           "Mapped runs as [(first page, pages, pages in use)], ascending: each is one physical allocation per "
+           "region, mapped and unmapped whole.")
       .def_property_readonly("closed", &PageAllocator::closed)
       .def_property_readonly("backend", &PageAllocator::backend)
       .def_property_readonly("tensors", &PageAllocator::tensors)

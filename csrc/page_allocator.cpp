@@ -9,23 +9,6 @@ namespace {
 std::mutex g_live_mu;
 std::set<PageAllocator*> g_live;  // for stopping prealloc threads at interpreter exit
 
-using Clock = std::chrono::steady_clock;
-double us_since(Clock::time_point t0) { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); }
-
-using Runs = std::vector<std::pair<int64_t, int64_t>>;  // [first, last] of consecutive page indices
-
-Runs runs_of(const std::vector<int64_t>& sorted) {
-  Runs runs;
-  for (int64_t p : sorted) {
-    if (!runs.empty() && runs.back().second + 1 == p) {
-      runs.back().second = p;
-    } else {
-      runs.emplace_back(p, p);
-    }
-  }
-  return runs;
-}
-
 }  // namespace
 
 void stop_all_prealloc_threads() noexcept {
@@ -35,7 +18,7 @@ void stop_all_prealloc_threads() noexcept {
 
 PageAllocator::PageAllocator(std::shared_ptr<Backend> backend, std::vector<std::shared_ptr<VirtualTensor>> tensors,
                              std::vector<RegionSpec> regions, int64_t num_pages, int64_t min_reserved,
-                             int64_t max_reserved, bool prealloc)
+                             int64_t max_reserved, bool prealloc, int64_t max_run_pages)
     : backend_(std::move(backend)),
       tensors_(std::move(tensors)),
       regions_(std::move(regions)),
@@ -48,6 +31,9 @@ PageAllocator::PageAllocator(std::shared_ptr<Backend> backend, std::vector<std::
   if (min_reserved < 0 || max_reserved < 0 || min_reserved > max_reserved) {
     throw_value("need 0 <= min_reserved <= max_reserved, got min_reserved=" + std::to_string(min_reserved) +
                 ", max_reserved=" + std::to_string(max_reserved) + ".");
+  }
+  if (max_run_pages < 0) {
+    throw_value("max_run_pages must be >= 0 (0: default), got " + std::to_string(max_run_pages) + ".");
   }
   if (tensors_.empty()) throw_value("PageAllocator needs at least one VirtualTensor.");
   for (size_t i = 0; i < tensors_.size(); ++i) {
@@ -79,6 +65,7 @@ PageAllocator::PageAllocator(std::shared_ptr<Backend> backend, std::vector<std::
     }
     size_t end = r.base + static_cast<size_t>(num_pages) * r.size;
     spans[r.tensor].emplace_back(r.base, end);
+    slice_off_.push_back(page_bytes_);
     page_bytes_ += r.size;
   }
   for (size_t t = 0; t < spans.size(); ++t) {
@@ -92,8 +79,13 @@ PageAllocator::PageAllocator(std::shared_ptr<Backend> backend, std::vector<std::
     }
   }
   one_handle_ = backend_->map_offset_ok();
+  if (max_run_pages == 0) max_run_pages = static_cast<int64_t>(std::max<size_t>(1, kDefaultRunBytes / page_bytes_));
+  max_run_pages_ = std::min(max_run_pages, num_pages);
   state_.assign(num_pages, kFree);
   handles_.resize(num_pages);
+  run_of_.assign(num_pages, -1);
+  run_len_.assign(num_pages, 0);
+  run_live_.assign(num_pages, 0);
   for (int64_t p = 0; p < num_pages; ++p) free_.insert(free_.end(), p);
   refresh_mem_info();
   {
@@ -153,125 +145,6 @@ void PageAllocator::reset_peak() {
   peak_in_use_.store(in_use_.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
-void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
-  if (pages.empty()) return;
-  // 1. physical memory
-  size_t created = 0;
-  auto t_create = Clock::now();
-  try {
-    for (; created < pages.size(); ++created) {
-      auto& hs = handles_[pages[created]];
-      if (one_handle_) {
-        hs.push_back(backend_->create(page_bytes_));
-      } else {
-        for (const auto& r : regions_) hs.push_back(backend_->create(r.size));
-      }
-    }
-  } catch (...) {
-    for (size_t i = 0; i <= created && i < pages.size(); ++i) {
-      for (Handle h : handles_[pages[i]]) backend_->release(h);
-      handles_[pages[i]].clear();
-    }
-    throw;
-  }
-  add_phase("map.create", us_since(t_create), static_cast<int64_t>(created * (one_handle_ ? 1 : regions_.size())));
-  // 2. per region and run of consecutive pages: drop the zero page, map the slices, one access call
-  Runs runs = runs_of(pages);
-  struct Done {
-    size_t region;
-    size_t run;
-    int64_t mapped;  // pages of the run mapped so far (-1: zero page still there)
-    size_t lo, hi;   // the range take_zero touched (leftover zero pieces included)
-  };
-  std::vector<Done> done;
-  try {
-    for (size_t ri = 0; ri < regions_.size(); ++ri) {
-      const RegionSpec& r = regions_[ri];
-      VirtualTensor& t = *tensors_[r.tensor];
-      size_t slice_off = 0;
-      for (size_t k = 0; k < ri; ++k) slice_off += regions_[k].size;
-      for (size_t ui = 0; ui < runs.size(); ++ui) {
-        auto [a, b] = runs[ui];
-        size_t off = r.base + static_cast<size_t>(a) * r.size;
-        size_t len = static_cast<size_t>(b - a + 1) * r.size;
-        done.push_back({ri, ui, -1, off, off + len});
-        auto t0 = Clock::now();
-        auto span = t.take_zero(off, len);  // restores the zero backing itself if it fails
-        add_phase("map.take_zero", us_since(t0));
-        done.back().lo = span.first;
-        done.back().hi = span.second;
-        done.back().mapped = 0;
-        t0 = Clock::now();
-        for (int64_t p = a; p <= b; ++p) {
-          const auto& hs = handles_[p];
-          uintptr_t at = t.ptr() + r.base + static_cast<size_t>(p) * r.size;
-          if (one_handle_) {
-            backend_->map(at, r.size, hs[0], slice_off);
-          } else {
-            backend_->map(at, r.size, hs[ri], 0);
-          }
-          done.back().mapped++;
-        }
-        add_phase("map.map", us_since(t0), b - a + 1);
-        t0 = Clock::now();
-        backend_->set_access(t.ptr() + span.first, span.second - span.first);
-        add_phase("map.set_access", us_since(t0));
-      }
-    }
-  } catch (...) {
-    // Roll back: every touched range goes back to the zero page, then the memory is released.
-    for (const Done& d : done) {
-      const RegionSpec& r = regions_[d.region];
-      VirtualTensor& t = *tensors_[r.tensor];
-      auto [a, b] = runs[d.run];
-      size_t off = r.base + static_cast<size_t>(a) * r.size;
-      size_t len = static_cast<size_t>(b - a + 1) * r.size;
-      try {
-        if (d.mapped < 0) continue;
-        if (d.mapped > 0) backend_->unmap_units(t.ptr() + off, static_cast<size_t>(d.mapped) * r.size, r.size);
-        t.give_zero(off, len);
-        backend_->set_access(t.ptr() + d.lo, d.hi - d.lo);
-      } catch (const std::exception& e) {
-        log_warning(std::string("rollback of a failed map left pages unmapped: ") + e.what());
-      }
-    }
-    for (int64_t p : pages) {
-      for (Handle h : handles_[p]) backend_->release(h);
-      handles_[p].clear();
-    }
-    throw;
-  }
-}
-
-void PageAllocator::unmap_locked(const std::vector<int64_t>& pages) {
-  if (pages.empty()) return;
-  Runs runs = runs_of(pages);
-  for (const auto& r : regions_) {
-    VirtualTensor& t = *tensors_[r.tensor];
-    for (auto [a, b] : runs) {
-      size_t off = r.base + static_cast<size_t>(a) * r.size;
-      size_t len = static_cast<size_t>(b - a + 1) * r.size;
-      auto t0 = Clock::now();
-      backend_->unmap_units(t.ptr() + off, len, r.size);
-      add_phase("unmap.unmap", us_since(t0));
-      t0 = Clock::now();
-      t.give_zero(off, len);
-      add_phase("unmap.give_zero", us_since(t0), b - a + 1);
-      t0 = Clock::now();
-      backend_->set_access(t.ptr() + off, len);
-      add_phase("unmap.set_access", us_since(t0));
-    }
-  }
-  auto t0 = Clock::now();
-  int64_t released = 0;
-  for (int64_t p : pages) {
-    for (Handle h : handles_[p]) backend_->release(h);
-    released += static_cast<int64_t>(handles_[p].size());
-    handles_[p].clear();
-  }
-  add_phase("unmap.release", us_since(t0), released);
-}
-
 std::map<std::string, std::pair<double, int64_t>> PageAllocator::phase_times() {
   std::lock_guard<std::mutex> lk(mu_);
   return phases_;
@@ -307,7 +180,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
   map_locked(fresh);  // throws with nothing changed
   for (int64_t p : fresh) {
     free_.erase(p);
-    state_[p] = kInUse;
+    set_state_locked(p, kInUse);
     out.push_back(p);
   }
   take_reserved_locked(from_res, out);
@@ -354,7 +227,7 @@ void PageAllocator::map_pages(const std::vector<int64_t>& ids) {
     } else {
       reserved_.erase(p);
     }
-    state_[p] = kInUse;
+    set_state_locked(p, kInUse);
   }
   trimmed_ = false;
   publish_locked();
@@ -367,7 +240,7 @@ void PageAllocator::take_reserved_locked(int64_t n, std::vector<int64_t>& out) {
   for (int64_t i = 0; i < n; ++i) {
     int64_t p = *reserved_.begin();
     reserved_.erase(reserved_.begin());
-    state_[p] = kInUse;
+    set_state_locked(p, kInUse);
     out.push_back(p);
   }
   trimmed_ = false;
@@ -393,7 +266,7 @@ bool PageAllocator::try_return(const std::vector<int64_t>& ids) {
     if (p < 0 || p >= num_pages_ || state_[p] != kInUse) return false;  // let free_pages explain
   }
   for (int64_t p : ids) {
-    state_[p] = kReserved;
+    set_state_locked(p, kReserved);
     reserved_.insert(p);
   }
   publish_locked();
@@ -417,7 +290,7 @@ void PageAllocator::free_pages(const std::vector<int64_t>& ids) {
     }
   }
   for (int64_t p : ids) {
-    state_[p] = kReserved;
+    set_state_locked(p, kReserved);
     reserved_.insert(p);
   }
   publish_locked();
@@ -434,23 +307,43 @@ void PageAllocator::free_pages(const std::vector<int64_t>& ids) {
 
 void PageAllocator::shrink_reserved_locked(int64_t keep) {
   keep = std::max<int64_t>(keep, 0);
-  if (static_cast<int64_t>(reserved_.size()) <= keep) return;
-  // Give back the highest pages so the low ones (and their runs) stay mapped.
+  int64_t excess = static_cast<int64_t>(reserved_.size()) - keep;
+  if (excess <= 0) return;
+  // Only runs with no page in use can go, whole, highest first so the low ones stay mapped.
   std::vector<int64_t> drop;
-  auto it = reserved_.end();
-  while (static_cast<int64_t>(reserved_.size() - drop.size()) > keep) drop.push_back(*--it);
+  for (auto it = reserved_.rbegin(); it != reserved_.rend() && excess > 0;) {
+    int64_t first = run_of_[*it];
+    if (run_live_[first] == 0) {
+      drop.push_back(first);
+      excess -= run_len_[first];
+    }
+    it = std::make_reverse_iterator(reserved_.lower_bound(first));  // past the rest of this run
+  }
+  if (drop.empty()) return;
+  const int64_t split = drop.back();  // the lowest: it may take the reserve below `keep`
   std::sort(drop.begin(), drop.end());
   try {
-    unmap_locked(drop);
+    unmap_runs_locked(drop);
   } catch (...) {
     publish_locked();
     refresh_mem_info();
     throw;
   }
-  for (int64_t p : drop) {
-    reserved_.erase(p);
-    state_[p] = kFree;
-    free_.insert(p);
+  if (excess < 0) {
+    // The last run went below `keep`: map its low pages again as a shorter run, so the
+    // reserve holds what it would hold page by page. Best effort: without memory the
+    // reserve is just smaller (the prealloc thread tries again).
+    std::vector<int64_t> again;
+    for (int64_t p = split; p < split - excess; ++p) again.push_back(p);
+    try {
+      map_locked(again);
+      for (int64_t p : again) {
+        free_.erase(p);
+        set_state_locked(p, kReserved);
+        reserved_.insert(p);
+      }
+    } catch (const Error&) {
+    }
   }
   publish_locked();
   refresh_mem_info();
@@ -492,7 +385,7 @@ void PageAllocator::thread_main() {
           map_locked(fresh);
           for (int64_t p : fresh) {
             free_.erase(p);
-            state_[p] = kReserved;
+            set_state_locked(p, kReserved);
             reserved_.insert(p);
           }
           publish_locked();
@@ -548,16 +441,16 @@ void PageAllocator::close() {
   stop_thread_locked();
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_.exchange(true)) return;
-  std::vector<int64_t> mapped;
+  std::vector<int64_t> firsts;
   for (int64_t p = 0; p < num_pages_; ++p) {
-    if (state_[p] != kFree) mapped.push_back(p);
+    if (run_len_[p] > 0) firsts.push_back(p);
   }
   try {
-    unmap_locked(mapped);
+    unmap_runs_locked(firsts);
   } catch (const std::exception& e) {
     log_warning(std::string("close: ") + e.what());
   }
-  for (int64_t p : mapped) {
+  for (int64_t p = 0; p < num_pages_; ++p) {
     state_[p] = kFree;
     free_.insert(p);
   }

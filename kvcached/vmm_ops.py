@@ -60,6 +60,22 @@ DriverError = _vmm.DriverError
 OutOfMemoryError = _vmm.OutOfMemoryError
 
 
+# Pages mapped in one call share one allocation per region, up to this many pages (0: the
+# native default, 1 GiB worth), and go back to the driver only together. Page by page (1)
+# where the pages' real owner frees them one at a time and counts each one's memory:
+PAGE_BY_PAGE = 1
+
+
+def page_runs(backend: Any) -> int:
+    """``max_run_pages`` for an allocator on ``backend``.
+
+    The null backend is the tensor-parallel scheduler's: it maps nothing, so runs would save
+    nothing there, and page-by-page accounting keeps its counts equal to what the workers
+    hold (they map its pages page by page too: integration/vllm/tp.py).
+    """
+    return PAGE_BY_PAGE if backend.kind == "null" else 0
+
+
 @dataclass
 class KVGroup:
     """The virtual KV tensors of one group and whoever maps pages under them."""
@@ -75,11 +91,13 @@ class KVGroup:
     def regions(self) -> list[tuple[int, int, int]]:
         return [(r.tensor, r.base, r.size) for r in self.geometry.regions()]
 
-    def take(self, owner: Any, num_pages: int, min_reserved: int, max_reserved: int, prealloc: bool) -> Any:
+    def take(self, owner: Any, num_pages: int, min_reserved: int, max_reserved: int, prealloc: bool,
+             max_run_pages: int | None = None) -> Any:
         """A fresh native allocator of ``num_pages`` over these tensors, owned by ``owner`` (held weakly).
 
         The caller holds ``_lock``. A live owner (manager, standalone allocator or explicit
-        mappings) is refused; a dead one's allocator is closed first.
+        mappings) is refused; a dead one's allocator is closed first. ``max_run_pages``: see
+        :func:`page_runs`; None picks it from the backend.
         """
         if self.owner_alive():
             raise KVCachedStateError(
@@ -89,8 +107,10 @@ class KVGroup:
         if self.allocator is not None:
             self.allocator.close()
         rt = runtime()
+        if max_run_pages is None:
+            max_run_pages = page_runs(rt.backend)
         self.allocator = _vmm.PageAllocator(rt.backend, self.vtensors, self.regions, num_pages, min_reserved,
-                                            max_reserved, prealloc)
+                                            max_reserved, prealloc, max_run_pages=max_run_pages)
         self.owner = weakref.ref(owner)
         return self.allocator
 
@@ -339,9 +359,9 @@ def _explicit_allocator(rt: Runtime, group: KVGroup) -> Any:
             f"group {group.group_id} is managed by a KVCacheManager; map and free through its alloc()/free()."
         )
     if group.allocator is None:
-        # no reserve, no prealloc thread: unmap means unmapped now
+        # no reserve, no prealloc thread, page by page: unmap means unmapped now
         group.allocator = _vmm.PageAllocator(rt.backend, group.vtensors, group.regions,
-                                             group.geometry.num_pages, 0, 0, False)
+                                             group.geometry.num_pages, 0, 0, False, max_run_pages=PAGE_BY_PAGE)
         group.owner = "explicit"
     return group.allocator
 

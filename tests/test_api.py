@@ -139,6 +139,21 @@ def test_explicit_map_and_unmap(fresh: pytest.MonkeyPatch) -> None:
     assert int(ts[1].count_nonzero()) == 0
 
 
+def test_explicit_unmap_of_one_page_of_a_batch_returns_its_memory(fresh: pytest.MonkeyPatch) -> None:
+    # pages the caller maps together are still unmapped one by one: "they read as zeros again"
+    vmm_ops.init_kvcached("cpu", contiguous_layout=False)
+    ps, backend = vmm_ops.runtime().page_size, vmm_ops.runtime().backend
+    ts = vmm_ops.create_kv_tensors(2 * 4 * ps, 2, "cpu", 2)  # 4 pages of K and V per layer
+    before = backend.physical_bytes()
+    assert vmm_ops.map_to_kv_tensors([0, ps, 2 * ps])
+    for t in ts:
+        t[: 3 * ps].fill_(5)
+    assert vmm_ops.unmap_from_kv_tensors([ps])
+    assert backend.physical_bytes() - before == 2 * 2 * 2 * ps  # pages 0 and 2 of 2 layers, K and V
+    assert all(int(t[ps : 2 * ps].count_nonzero()) == 0 and int(t[:ps].min()) == 5 for t in ts)
+    assert vmm_ops.unmap_from_kv_tensors([0, 2 * ps])
+
+
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "per_layer"])
 def test_explicit_map_reaches_every_layer_and_rejects_misuse(fresh: pytest.MonkeyPatch, contiguous: bool) -> None:
     vmm_ops.init_kvcached("cpu", contiguous_layout=contiguous)

@@ -70,9 +70,15 @@ def test_gpu_mapping_semantics(backend):
     assert int(x[7 * u + 5]) == 3
     assert int(x[5]) == 1 and int(x[u + 5]) == 2
     x[2 * u : 3 * u] = 0
+    assert pa.runs() == [(0, 2, 2)]  # mapped together: one run
     pa.free_pages([0])
     torch.cuda.synchronize()
-    assert int(x[5]) == 0 and int(x[u + 5]) == 2
+    assert int(x[5]) == 1 and int(x[u + 5]) == 2  # page 1 keeps the run (and page 0) mapped
+    pa.free_pages([1])
+    pa.map_pages([1])  # a run of its own
+    x[u : 2 * u] = 2
+    torch.cuda.synchronize()
+    assert int(x[5]) == 0 and int(x[u + 5]) == 2  # page 0 is the zero page again
     pa.close()
     torch.cuda.synchronize()
     assert int(x[u + 5]) == 0
@@ -176,7 +182,8 @@ def test_gpu_zero_chunks_split_and_regrow(backend):
     pages = 40
     vt = vmm.VirtualTensor(backend, pages * 2 * MiB, 2 * MiB, 16 * MiB)
     assert vt.num_zero_mappings == 5
-    pa = vmm.PageAllocator(backend, [vt], [(0, 0, 2 * MiB)], pages, 0, 0, False)
+    # one page per run, so a page freed between two in use is unmapped (a hole)
+    pa = vmm.PageAllocator(backend, [vt], [(0, 0, 2 * MiB)], pages, 0, 0, False, max_run_pages=1)
     x = gpu_view(vt)
     assert pa.alloc_pages(3) == [0, 1, 2]
     for p in range(3):
@@ -188,4 +195,43 @@ def test_gpu_zero_chunks_split_and_regrow(backend):
     assert pa.alloc_pages(1) == [1]
     pa.free_pages([0, 1, 2])
     assert int(x.sum()) == 0
+    pa.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_chunk", [0, 16 * MiB])
+def test_gpu_runs_keep_data_and_release_whole(backend, zero_chunk):
+    from kvcached.layout import KVGeometry, KVSpec, Layout
+
+    spec = KVSpec(num_layers=4, num_blocks=16 * 512, block_size=16, num_kv_heads=2, head_size=64,
+                  dtype=torch.float16)
+    geom = KVGeometry(spec, Layout.PER_LAYER, 2 * MiB)
+    vts = [vmm.VirtualTensor(backend, geom.tensor_bytes, geom.unit_bytes, zero_chunk)
+           for _ in range(geom.num_tensors)]
+    base = backend.physical_bytes()
+    pa = vmm.PageAllocator(backend, vts, geom.regions(), geom.num_pages, 0, 0, False, max_run_pages=4)
+    x = [gpu_view(v) for v in vts]
+    regions = geom.regions()
+    assert pa.alloc_pages(6) == list(range(6))
+    assert pa.runs() == [(0, 4, 4), (4, 2, 2)]
+    creates = 2 if backend.map_offset_ok else 2 * len(regions)
+    ph = pa.phase_times()
+    assert ph["map.create"][1] == creates and ph["map.map"][1] == 2 * len(regions)
+    assert ph["map.set_access"][1] == len(regions)
+    for p in range(6):
+        for i, r in enumerate(regions):
+            x[r.tensor][r.base + p * r.size : r.base + (p + 1) * r.size] = (p * 16 + i) % 251 + 1
+    pa.free_pages([0, 2, 4, 5])  # run [4..5] goes whole; run [0..3] stays for pages 1 and 3
+    torch.cuda.synchronize()
+    assert pa.runs() == [(0, 4, 2)]
+    for p in range(6):
+        for i, r in enumerate(regions):
+            part = x[r.tensor][r.base + p * r.size : r.base + (p + 1) * r.size]
+            want = 0 if p >= 4 else (p * 16 + i) % 251 + 1
+            assert int(part.min()) == want == int(part.max())
+    assert backend.physical_bytes() == base + 4 * pa.page_bytes
+    pa.free_pages([1, 3])
+    assert pa.runs() == [] and backend.physical_bytes() == base
+    torch.cuda.synchronize()
+    assert all(int(t.sum()) == 0 for t in x)
     pa.close()

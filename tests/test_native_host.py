@@ -240,15 +240,17 @@ def test_limit_pages():
     pa.free_pages(pages[2:])
     assert pa.num_reserved == 2
     assert pa.set_limit_pages(3) is True
-    assert pa.limit_pages == 3 and pa.num_reserved == 1  # mapped never above the limit
+    # pages 2 and 3 share one allocation (run) with pages 0 and 1, still in use: they stay
+    # mapped until the whole run is free; the limit holds for pages in use
+    assert pa.limit_pages == 3 and pa.num_reserved == 2 and pa.runs() == [(0, 4, 2)]
     with pytest.raises(vmm.OutOfMemoryError, match="limit"):
         pa.alloc_pages(2)
     assert pa.set_limit_pages(1) is False  # 2 in use: the cap is set, nothing is lost
-    assert pa.limit_pages == 1 and pa.num_in_use == 2 and pa.num_reserved == 0
+    assert pa.limit_pages == 1 and pa.num_in_use == 2 and pa.num_reserved == 2
     with pytest.raises(ValueError):
         pa.set_limit_pages(-1)
     pa.free_pages(pages[:2])
-    assert pa.num_reserved == 1  # mapped pages never exceed the limit of 1
+    assert pa.num_reserved == 1  # the run is free: mapped pages come down to the limit of 1
     assert pa.set_limit_pages(6)
     assert pa.alloc_pages(6) == list(range(6))
 
@@ -333,13 +335,18 @@ def test_page_allocator_random_against_model(layout):
                 del in_use[p]
         elif op < 0.9:
             pa.trim()
-            assert pa.num_reserved == 0
+            assert all(live for _, _, live in pa.runs())  # only runs with a page in use stay
         else:
             limit = rng.randint(0, geom.num_pages)
             assert pa.set_limit_pages(limit) == (len(in_use) <= limit)
         assert pa.num_in_use == len(in_use)
-        assert pa.num_reserved <= 2
-        assert pa.num_in_use + pa.num_reserved <= max(limit, len(in_use))
+        runs = pa.runs()
+        assert sum(n for _, n, _ in runs) == pa.num_in_use + pa.num_reserved
+        assert sorted(in_use) == [p for first, n, _ in runs for p in range(first, first + n) if p in in_use]
+        assert all(live == sum(p in in_use for p in range(first, first + n)) for first, n, live in runs)
+        # above the reserve bound or the limit only while no run is entirely free
+        over = pa.num_reserved > 2 or pa.num_in_use + pa.num_reserved > max(limit, len(in_use))
+        assert not over or all(live for _, _, live in runs)
         assert pa.mapped_bytes == (pa.num_in_use + pa.num_reserved) * geom.page_group_bytes
         assert b.physical_bytes() == pa.mapped_bytes + geom.unit_bytes  # + the zero page
         for p, val in in_use.items():
@@ -357,7 +364,11 @@ def test_trim_and_reserved_bounds_without_thread():
     assert pa.alloc_pages(1) == [0]  # reserved pages are handed out first
     assert pa.num_reserved == 1
     pa.trim()
-    assert pa.num_reserved == 0 and b.physical_bytes() == 2 * U
+    # pages 0 and 1 stayed mapped as one run: page 1 goes once page 0 is freed
+    assert pa.runs() == [(0, 2, 1)]
+    assert pa.num_reserved == 1 and b.physical_bytes() == 3 * U
+    pa.free_pages([0])
+    assert pa.num_reserved == 0 and b.physical_bytes() == U  # trimmed: the freed run goes at once
 
 
 def test_close_unmaps_and_rejects_calls():

@@ -21,11 +21,12 @@ U = 2 * MiB
 pytestmark = pytest.mark.usefixtures("own_host_budget")
 
 
-def per_layer(limit_mb=256, num_layers=2, num_pages=8, max_reserved=0):
+def per_layer(limit_mb=256, num_layers=2, num_pages=8, max_reserved=0, max_run_pages=0):
     b = vmm.Backend("host", host_limit_bytes=limit_mb * MiB)
     geom = KVGeometry(KVSpec(num_layers, num_pages, 1, 1, U, torch.uint8, 2), Layout.PER_LAYER, U)
     vts = [vmm.VirtualTensor(b, geom.tensor_bytes, geom.unit_bytes) for _ in range(geom.num_tensors)]
-    pa = vmm.PageAllocator(b, vts, geom.regions(), geom.num_pages, 0, max_reserved, False)
+    pa = vmm.PageAllocator(b, vts, geom.regions(), geom.num_pages, 0, max_reserved, False,
+                           max_run_pages=max_run_pages)
     return b, vts, pa, [torch.from_dlpack(vt.to_dlpack()) for vt in vts]
 
 
@@ -102,7 +103,8 @@ def test_out_of_memory_rolls_back_and_keeps_live_data():
 
 
 def test_gil_released_while_mapping():
-    b, vts, pa, views = per_layer(limit_mb=4096, num_layers=16, num_pages=24)
+    # one page per run keeps the native work of a call at 768 mappings (runs would make it 32)
+    b, vts, pa, views = per_layer(limit_mb=4096, num_layers=16, num_pages=24, max_run_pages=1)
     ticks = 0
     stop = threading.Event()
 

@@ -4,6 +4,7 @@ worker's mapping (``kvcached.integration.vllm.tp``); the engine test is in test_
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 
 import pytest
@@ -36,6 +37,7 @@ def test_null_runtime_needs_a_budget_and_holds_to_it(monkeypatch: pytest.MonkeyP
         vmm_ops.create_kv_tensors(8 * 2 * 2 * MiB, 2, "null", 2)
         m = KVCacheManager(8 * 512, 16, 256, 2)  # 512 blocks per page
         assert m.page_allocator.num_reserved == 0  # no reserve: it would only take the workers' budget
+        assert m.page_allocator.max_run_pages == 1  # page by page, like the workers that hold the memory
         held = m.alloc(3 * 512)
         assert held is not None and m.alloc(1) is None  # the budget is three pages
         assert m.usage().used == 3 * group and m.usage().device == "tp"  # kvctl's DEVICE column
@@ -100,6 +102,13 @@ def test_worker_unmaps_after_queued_work_and_keeps_pages_handed_out_again(monkey
         _Event.done = False
         pages.apply([], [1], wait=True)  # an idle engine's flush waits for the event instead
         assert pages.state() == {"in_use": 2, "peak": 4, "pending": 0}
+        # pages 1..3 came in one batch, yet each freed page leaves (the prealloc thread unmaps it):
+        # page by page, as the scheduler counts
+        assert pages.alloc.max_run_pages == 1
+        end = time.monotonic() + 5
+        while pages.alloc.mapped_bytes > 2 * pages.alloc.page_bytes and time.monotonic() < end:
+            time.sleep(0.01)
+        assert pages.alloc.runs() == [(0, 1, 1), (3, 1, 1)]
     finally:
         tp.reset_worker()
         interfaces.shutdown_kvcached()

@@ -51,8 +51,9 @@ class WorkerPages:
         r = config.reserve_config()
         with vmm_ops._lock:  # every page of the tensors: the scheduler hands out no more
             group = vmm_ops.get_group(info.group_id)
+            # page by page: a page the scheduler frees must leave this GPU (its budget counts pages)
             self.alloc = group.take(self, group.geometry.num_pages, r.min_reserved_pages, r.max_reserved_pages,
-                                    r.prealloc)
+                                    r.prealloc, max_run_pages=vmm_ops.PAGE_BY_PAGE)
         self.alloc.map_pages([0])  # block 0, vLLM's null block, lives in page 0 on every rank
         self.asynchronous = rt.choice.kind in ("cuda", "hip")
         self.pending: list[tuple[Any, set[int]]] = []  # (event, pages) unmapped once the event has completed
