@@ -221,9 +221,12 @@ def main() -> None:
     if args.zero_chunk_mib:
         layouts[f"per_layer, zero_chunk {args.zero_chunk_mib} MiB"] = bench_layout(
             backend, Layout.PER_LAYER, virtual, args.reps, args.zero_chunk_mib * MiB)
-        if args.page_runs:  # as before runs: one allocation and mapping per page and region
-            layouts[f"per_layer, zero_chunk {args.zero_chunk_mib} MiB, runs of 1 page"] = bench_layout(
-                backend, Layout.PER_LAYER, virtual, args.reps, args.zero_chunk_mib * MiB, max_run_pages=1)
+        if args.page_runs:  # runs of 1 page: as before runs (one allocation and mapping per page and region);
+            # 4 pages: half the default cap, so half the memory one live page can pin
+            for n in (4, 1):
+                layouts[f"per_layer, zero_chunk {args.zero_chunk_mib} MiB, runs of {n} page{'s' * (n > 1)}"] = (
+                    bench_layout(backend, Layout.PER_LAYER, virtual, args.reps, args.zero_chunk_mib * MiB,
+                                 max_run_pages=n))
     pool = bench_pool_fast_path(backend, args.pairs)
     mgr = bench_manager(args.backend, args.pairs // 3)
 

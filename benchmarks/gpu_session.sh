@@ -36,7 +36,8 @@ python3 -c "from importlib.metadata import entry_points as e; print('plugin', [x
 
 if has tests || has quick; then
   log "gpu tests (kernels, VMM, async unmap)"
-  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu tests -p no:cacheprovider --ignore=tests/e2e \
+  # GPU_TESTS: paths to run instead of all of tests/ (e.g. tests/test_native_cuda.py)
+  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider --ignore=tests/e2e \
     --ignore=tests/gpu/test_vllm_gpu.py --tb=short 2>&1 | tee "$OUT/gpu_tests_full.log" | tail -25
 fi
 if has upstream && [[ -d .upstream-tests ]]; then
