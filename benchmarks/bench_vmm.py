@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvcached import _vmm
+from kvcached import _vmm, vmm_ops
 from kvcached.layout import KVGeometry, KVSpec, Layout
 
 try:
@@ -86,7 +86,9 @@ def build(backend, geom: KVGeometry, min_res=0, max_res=0, prealloc=False, zero_
 
 
 def bench_layout(backend, layout: Layout, virtual_bytes: int, reps: int, zero_chunk: int = 0,
-                 max_run_pages: int = 0) -> dict[str, float]:
+                 max_run_pages: int | None = None) -> dict[str, float]:
+    if max_run_pages is None:  # what kvcached itself picks for this layout
+        max_run_pages = vmm_ops.page_runs(backend, layout)
     spec0 = kv_spec(1)
     bytes_per_block = spec0.block_bytes * spec0.num_layers * 2
     num_blocks = max(virtual_bytes // bytes_per_block, 1024)
@@ -218,6 +220,9 @@ def main() -> None:
     breakdown = _vmm_bench.bench_breakdown(backend, args.breakdown_units, PAGE) if args.breakdown_units else {}
     layouts = {lay.value: bench_layout(backend, lay, virtual, args.reps)
                for lay in (Layout.CONTIGUOUS, Layout.PER_LAYER)}
+    if args.page_runs:  # kvcached maps the contiguous layout page by page; this row is what runs would do
+        layouts["contiguous, runs of up to 1 GiB"] = bench_layout(backend, Layout.CONTIGUOUS, virtual, args.reps,
+                                                                 max_run_pages=0)
     if args.zero_chunk_mib:
         layouts[f"per_layer, zero_chunk {args.zero_chunk_mib} MiB"] = bench_layout(
             backend, Layout.PER_LAYER, virtual, args.reps, args.zero_chunk_mib * MiB)

@@ -10,6 +10,8 @@ Where every byte lives is decided by :mod:`kvcached.layout` only.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -21,7 +23,10 @@ from kvcached import _vmm, compat, config
 from kvcached.backend import BackendChoice, choose_backend
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.layout import KVGeometry, KVSpec, Layout
+from kvcached.log import get_kvcached_logger
 from kvcached.utils import default_contiguous_layout
+
+logger = get_kvcached_logger()
 
 _NATIVE_BACKEND = _vmm.Backend  # the type itself, even where a test swaps _vmm.Backend for a subclass
 
@@ -62,18 +67,23 @@ OutOfMemoryError = _vmm.OutOfMemoryError
 
 # Pages mapped in one call share one allocation per region, up to this many pages (0: the
 # native default, 1 GiB worth), and go back to the driver only together. Page by page (1)
-# where the pages' real owner frees them one at a time and counts each one's memory:
+# where runs buy nothing or the pages' real owner frees them one at a time:
 PAGE_BY_PAGE = 1
 
 
-def page_runs(backend: Any) -> int:
-    """``max_run_pages`` for an allocator on ``backend``.
+def page_runs(backend: Any, layout: Layout) -> int:
+    """``max_run_pages`` for an allocator on ``backend`` over tensors in ``layout``.
 
-    The null backend is the tensor-parallel scheduler's: it maps nothing, so runs would save
-    nothing there, and page-by-page accounting keeps its counts equal to what the workers
-    hold (they map its pages page by page too: integration/vllm/tp.py).
+    Runs pay off in the per-layer layout, where a page is one small mapping per layer and
+    buffer (H200: grow / shrink 1 GiB 5.0 / 5.4 ms with runs, 29 / 25 ms page by page, in
+    one run of benchmarks/bench_vmm.py). In the contiguous layout a page is already one
+    large allocation (all layers of its blocks), and runs measured slower there (1.07 / 2.17
+    ms p50, against 0.48 / 0.87 page by page in an earlier run), while a page in use would
+    pin its whole run: page by page. The null backend is the tensor-parallel scheduler's: it maps nothing, and
+    page-by-page accounting keeps its counts equal to what the workers hold (they map its
+    pages page by page too: integration/vllm/tp.py).
     """
-    return PAGE_BY_PAGE if backend.kind == "null" else 0
+    return PAGE_BY_PAGE if backend.kind == "null" or layout is Layout.CONTIGUOUS else 0
 
 
 @dataclass
@@ -97,7 +107,7 @@ class KVGroup:
 
         The caller holds ``_lock``. A live owner (manager, standalone allocator or explicit
         mappings) is refused; a dead one's allocator is closed first. ``max_run_pages``: see
-        :func:`page_runs`; None picks it from the backend.
+        :func:`page_runs`; None picks it from the backend and the layout.
         """
         if self.owner_alive():
             raise KVCachedStateError(
@@ -108,7 +118,7 @@ class KVGroup:
             self.allocator.close()
         rt = runtime()
         if max_run_pages is None:
-            max_run_pages = page_runs(rt.backend)
+            max_run_pages = page_runs(rt.backend, self.geometry.layout)
         self.allocator = _vmm.PageAllocator(rt.backend, self.vtensors, self.regions, num_pages, min_reserved,
                                             max_reserved, prealloc, max_run_pages=max_run_pages)
         self.owner = weakref.ref(owner)
@@ -131,6 +141,7 @@ class Runtime:
     layout: Layout
     groups: dict[int, KVGroup] = field(default_factory=dict)
     managers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    page_chosen: bool = False  # by the caller or KVCACHED_PAGE_SIZE_MB: fit_page_size leaves it alone
 
     @property
     def contiguous(self) -> bool:
@@ -188,6 +199,7 @@ def init_kvcached(device: str | torch.device = "cuda:0", page_size: int | None =
         # read here too, like every variable: a value set after import takes effect or raises now
         logging.getLogger("kvcached").setLevel(config.log_level())
         choice = choose_backend(device)
+        page_chosen = bool(page_size) or os.environ.get("KVCACHED_PAGE_SIZE_MB") is not None
         if page_size is None or page_size == 0:
             page_size = config.page_size()
         if not isinstance(page_size, int) or isinstance(page_size, bool):
@@ -214,7 +226,37 @@ def init_kvcached(device: str | torch.device = "cuda:0", page_size: int | None =
                 "set KVCACHED_PAGE_SIZE_MB to a multiple of it."
             )
         _runtime = Runtime(choice, backend, choice.torch_device,
-                           page_size, layout)
+                           page_size, layout, page_chosen=page_chosen)
+
+
+# vLLM sizes a Mamba hybrid's attention blocks so that one block holds a Mamba state (on the
+# H200: 96 tokens, 12288 B of one layer's K), and such a block need not divide 2 MiB. A block
+# must never straddle two pages, so before the first KV tensor the page grows to the smallest
+# multiple of itself that whole blocks fill, up to this bound (a page is the step in which
+# memory is mapped and given back).
+MAX_FITTED_PAGE = 64 << 20
+
+
+def fit_page_size(block_bytes: int) -> int:
+    """The page size after fitting it to KV blocks of ``block_bytes``; unchanged when blocks already fill it.
+
+    The page grows (to ``lcm(page, block_bytes)``) only while no KV tensor exists, when neither the
+    caller of :func:`init_kvcached` nor ``KVCACHED_PAGE_SIZE_MB`` chose it, and up to
+    :data:`MAX_FITTED_PAGE`; otherwise it stays and the caller reports the misfit.
+    """
+    _check_positive_int("block_bytes", block_bytes)
+    with _lock:
+        rt = runtime()
+        if rt.page_size % block_bytes == 0 or rt.page_chosen or rt.groups:
+            return rt.page_size
+        fitted = math.lcm(rt.page_size, block_bytes)
+        gran = int(rt.backend.granularity)
+        if fitted > MAX_FITTED_PAGE or (gran and fitted % gran):
+            return rt.page_size
+        logger.info("kvcached: KV blocks of %d B do not divide the %d MiB page; pages are %d MiB from now on",
+                    block_bytes, rt.page_size >> 20, fitted >> 20)
+        rt.page_size = fitted
+        return fitted
 
 
 def shutdown_kvcached() -> None:

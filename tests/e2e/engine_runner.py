@@ -262,6 +262,9 @@ def main() -> None:
     except Exception as exc:  # only diagnostics
         pool_kind = locals().get("pool_kind") or f"unknown ({exc})"
     limit = None
+    from kvcached import vmm_ops
+
+    page_size = vmm_ops.runtime().page_size if vmm_ops.is_initialized() else None  # this process's runtime
     if spec.get("ipc_name"):
         from kvcached import mem_info
 
@@ -274,7 +277,7 @@ def main() -> None:
         "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
         "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
-        "segment_peak": segment_peak, "kv_groups": kv_groups,
+        "segment_peak": segment_peak, "kv_groups": kv_groups, "page_size": page_size,
         "runner": type(runner).__module__ if backend else None,
     }), flush=True)
 

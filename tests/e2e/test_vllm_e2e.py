@@ -153,6 +153,19 @@ def test_mamba_state_shares_the_pool(tiny_mamba_model: str, baseline_mamba: dict
     _check_elastic(r, rise=2)
 
 
+def test_mamba_blocks_that_do_not_divide_the_page(tiny_mamba_model: str) -> None:
+    """On the H200, vLLM 0.24 gives this model's attention layers 96-token blocks (12288 B of a layer's K,
+    so that a block holds a Mamba state); they do not divide 2 MiB. kvcached's pages grow to 6 MiB, which
+    whole blocks fill, and the tokens stay vLLM's (before, the engine stopped with "does not divide")."""
+    spec = {"model": tiny_mamba_model, **MAMBA, "block_size": 96}
+    base = run_engine(spec, engine_env())
+    name = "kvcached_e2e_mamba_block96"
+    r = run_engine({**spec, "ipc_name": name, "settle_s": 0.5}, _kvcached_env(name))
+    assert r["pool"] == "KVCachedBlockPool"
+    assert r["page_size"] == 6 << 20
+    assert r["tokens"] == base["tokens"]
+
+
 def test_kvctl_limit_below_demand_makes_requests_wait(tiny_model: str, baseline_burst: dict) -> None:
     name = "kvcached_e2e_limit"
     limit = 2 * PAGE_GROUP  # the null block's page plus one more: a third of what the burst wants

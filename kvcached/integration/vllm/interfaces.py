@@ -78,11 +78,16 @@ def _require_init() -> vmm_ops.Runtime:
     return vmm_ops.runtime()
 
 
-def virtual_bytes_per_kv(rt: vmm_ops.Runtime, num_layers: int, kv_factor: int) -> int:
-    """Virtual bytes of one layer's K (or V): the whole device's memory shared out, in whole pages."""
+def virtual_bytes_per_kv(rt: vmm_ops.Runtime, num_layers: int, kv_factor: int, round_up: bool = False) -> int:
+    """Virtual bytes of one layer's K (or V): the whole device's memory shared out, in whole pages.
+
+    ``round_up``: to the next whole page, so that a page grown by :func:`vmm_ops.fit_page_size`
+    after vLLM planned its blocks (on the share rounded to the page of that time) still holds
+    them all; it is address space, nothing is mapped.
+    """
     total = int(rt.backend.mem_info()[1])
     per = total // num_layers // kv_factor
-    per -= per % rt.page_size
+    per = -(-per // rt.page_size) * rt.page_size if round_up else per - per % rt.page_size
     if per <= 0:
         raise KVCachedConfigError(
             f"device memory {total} B is too small for {num_layers} layers x {kv_factor} of one "
@@ -129,13 +134,15 @@ def alloc_kv_cache(kvcache_shape: tuple[int, ...], block_size: int, dtype: torch
             f"kernel_block_size ({kbs}) != block_size ({block_size}) needs the per-layer layout; set "
             "KVCACHED_CONTIGUOUS_LAYOUT=false."
         )
-    per_kv = virtual_bytes_per_kv(rt, num_layers, kv)
     block_bytes = block_size * heads * head_size * dtype.itemsize
-    if rt.page_size % block_bytes:
+    if vmm_ops.fit_page_size(block_bytes) % block_bytes:
         raise KVCachedConfigError(
             f"a KV block of {block_bytes} B does not divide the {rt.page_size >> 20} MiB page, so blocks would "
-            "straddle pages; pick a power-of-two block size or set KVCACHED_PAGE_SIZE_MB."
+            "straddle pages, and the page cannot grow to fit them (KV tensors exist already, the page size was "
+            f"chosen, or whole blocks fill no page up to {vmm_ops.MAX_FITTED_PAGE >> 20} MiB); pick a block size "
+            "that divides the page or set KVCACHED_PAGE_SIZE_MB to a multiple of 2 that it divides."
         )
+    per_kv = virtual_bytes_per_kv(rt, num_layers, kv, round_up=True)
     num_pages = per_kv // rt.page_size
     num_blocks = num_pages * (rt.page_size // block_bytes)
     requested = shape[0] if is_mla or style == FLASHINFER else shape[1]
