@@ -146,6 +146,12 @@ class PageCounts:
         return {"total_pages": total, "free_pages": max(0, total - inuse), "inuse_pages": inuse,
                 "reserved_pages": self.get_num_reserved_pages()}
 
+    def _pages_of(self, new_mem_size: int) -> int:
+        """Whole pages in ``new_mem_size`` bytes of one layer's K (or V), for ``resize``."""
+        if not isinstance(new_mem_size, int) or isinstance(new_mem_size, bool) or new_mem_size <= 0:
+            raise ValueError(f"resize: new_mem_size must be a positive int of bytes, got {new_mem_size!r}.")
+        return new_mem_size // self.page_size
+
     def get_page_id(self, block_id: int, block_mem_size: int) -> int:
         """The page holding ``block_id`` for blocks of ``block_mem_size`` bytes."""
         return _int("block_id", block_id) // Page.get_num_blocks(self.page_size, block_mem_size)
@@ -187,9 +193,7 @@ class PageAllocatorView(PageCounts):
         pages than those in use; else True. The cap is the one
         :meth:`KVCacheManager.resize` sets and never exceeds the manager's own pages.
         """
-        if not isinstance(new_mem_size, int) or isinstance(new_mem_size, bool) or new_mem_size <= 0:
-            raise ValueError(f"resize: new_mem_size must be a positive int of bytes, got {new_mem_size!r}.")
-        pages = new_mem_size // self.page_size
+        pages = self._pages_of(new_mem_size)
         if pages < self.get_num_inuse_pages():
             return False
         self._manager._set_limit("resize", pages)

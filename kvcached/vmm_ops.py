@@ -79,9 +79,9 @@ def page_runs(backend: Any, layout: Layout) -> int:
     one run of benchmarks/bench_vmm.py). In the contiguous layout a page is already one
     large allocation (all layers of its blocks), and runs measured slower there (1.07 / 2.17
     ms p50, against 0.48 / 0.87 page by page in an earlier run), while a page in use would
-    pin its whole run: page by page. The null backend is the tensor-parallel scheduler's: it maps nothing, and
-    page-by-page accounting keeps its counts equal to what the workers hold (they map its
-    pages page by page too: integration/vllm/tp.py).
+    pin its whole run: page by page. The null backend is the tensor-parallel scheduler's: it
+    maps nothing, and page-by-page accounting keeps its counts equal to what the workers hold
+    (they map its pages page by page too: integration/vllm/tp.py).
     """
     return PAGE_BY_PAGE if backend.kind == "null" or layout is Layout.CONTIGUOUS else 0
 
@@ -533,9 +533,7 @@ class StandalonePageAllocator(compat.PageCounts):
 
         False, with nothing changed, below the pages in use or beyond the KV tensors;
         True otherwise. Shrinking unmaps reserve pages above the new size."""
-        if not isinstance(new_mem_size, int) or isinstance(new_mem_size, bool) or new_mem_size <= 0:
-            raise ValueError(f"resize: new_mem_size must be a positive int of bytes, got {new_mem_size!r}.")
-        pages = new_mem_size // self.page_size
+        pages = self._pages_of(new_mem_size)
         if pages < self.get_num_inuse_pages() or pages > int(self.native.num_pages):
             return False
         self.native.set_limit_pages(pages)

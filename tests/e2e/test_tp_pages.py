@@ -8,7 +8,6 @@ import time
 from collections import Counter
 
 import pytest
-import torch
 
 from kvcached import _vmm, vmm_ops
 from kvcached.errors import KVCachedConfigError
@@ -64,10 +63,9 @@ def test_page_changes_send_net_changes_only() -> None:
 
 
 class _Event:
-    done = False
+    """Stands in for the CUDA event a worker records before an unmap (tp.record_event)."""
 
-    def record(self) -> None:
-        pass
+    done = False
 
     def query(self) -> bool:
         return _Event.done
@@ -89,7 +87,7 @@ def test_worker_unmaps_after_queued_work_and_keeps_pages_handed_out_again(monkey
         assert pages.state()["in_use"] == 4
         # on a GPU an unmap waits for the rank's queued work (an event); a page handed out again is kept
         pages.asynchronous = True
-        monkeypatch.setattr(torch.cuda, "Event", _Event)
+        monkeypatch.setattr(tp, "record_event", lambda device: _Event())
         _Event.done = False
         pages.apply([], [2, 3])
         assert pages.state() == {"in_use": 4, "peak": 4, "pending": 2}

@@ -83,18 +83,14 @@ def alloc_kv_cache(kvcache_shape: tuple[int, ...], dtype: torch.dtype, device: s
     geom = token_major_geometry(KVSpec(num_layers, num_pages, page_size, heads, head_size, dtype, kv), rt.layout,
                                 rt.page_size)
     raw = vmm_ops.create_kv_tensors(per_kv * kv, dtype.itemsize, device, num_layers, kv, group_id)
+    _token_bytes[group_id] = token_bytes
     if is_mla:
-        out = []
-        for layer in range(num_layers):
-            out.append(mla_view(raw, geom, layer))  # (tokens, 1, D): one-token blocks
-        _token_bytes[group_id] = token_bytes
-        return out
+        return [mla_view(raw, geom, layer) for layer in range(num_layers)]  # (tokens, 1, D): one-token blocks
     ks, vs = [], []
     for layer in range(num_layers):
         k, v = sglang_buffers(raw, geom, layer)
         ks.append(k)
         vs.append(v)
-    _token_bytes[group_id] = token_bytes
     return ks, vs
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvcached import config, vmm_ops
+from kvcached.deferred_free import record_event
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.integration.vllm import interfaces, kv_alloc
 from kvcached.utils import get_kvcached_logger
@@ -56,15 +57,15 @@ class WorkerPages:
                                     r.prealloc, max_run_pages=vmm_ops.PAGE_BY_PAGE)
         self.alloc.map_pages([0])  # block 0, vLLM's null block, lives in page 0 on every rank
         self.asynchronous = rt.choice.kind in ("cuda", "hip")
+        self.device = torch.device(rt.torch_device)
         self.pending: list[tuple[Any, set[int]]] = []  # (event, pages) unmapped once the event has completed
 
     def apply(self, maps: Iterable[int], unmaps: Iterable[int], wait: bool = False) -> None:
         unmaps = set(unmaps)
         if unmaps:
             if self.asynchronous:
-                event = torch.cuda.Event()
-                event.record()  # after every kernel this rank has queued so far, which may still read them
-                self.pending.append((event, unmaps))
+                # after every kernel this rank has queued so far, which may still read them
+                self.pending.append((record_event(self.device), unmaps))
             else:
                 self.alloc.free_pages(sorted(unmaps))
         fresh = []
