@@ -83,7 +83,9 @@ def page_runs(backend: Any, layout: Layout) -> int:
     maps nothing, and page-by-page accounting keeps its counts equal to what the workers hold
     (they map its pages page by page too: integration/vllm/tp.py).
     """
-    return PAGE_BY_PAGE if backend.kind == "null" or layout is Layout.CONTIGUOUS else 0
+    if not isinstance(backend, _NATIVE_BACKEND):
+        raise KVCachedConfigError(f"page_runs: backend must be a kvcached Backend, got {type(backend).__name__}.")
+    return PAGE_BY_PAGE if backend.kind == "null" or Layout.parse(layout) is Layout.CONTIGUOUS else 0
 
 
 @dataclass
