@@ -51,6 +51,7 @@ KNOBS = (
     "decode_num_splits",
     "decode_waves_per_eu",
     "decode_fused_reduce",
+    "short_num_warps",
     "prefill_block_m",
     "prefill_block_n",
     "prefill_num_warps",
@@ -83,6 +84,22 @@ def decode_tile(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> Dec
                    waves_per_eu=o.get("decode_waves_per_eu", base.waves_per_eu))
 
 
+def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> int:
+    """Warps of a decode program with ``rows`` query rows (16: single tokens; 64: short queries).
+
+    H200, bf16 32/8 heads d128, 64 x 8k, graph replay: the 64-row tile took 1191 us at 8 warps and
+    660 at 4 (one warpgroup holds all 64 rows, so Hopper's wgmma takes the dots). gfx942 (compile
+    check): 64 rows of a 128- or 256-wide head spill at 4 warps (8 registers at d128, 26 at d256), so
+    8 there. The 16-row tile's warps are :func:`decode_tile`'s. ``override(short_num_warps=)`` sets them.
+    """
+    if rows <= 16:
+        return decode_tile(head_pad, kv_itemsize, hip, interp).num_warps
+    knob = _OVERRIDES.get("short_num_warps")
+    if knob is not None:
+        return knob
+    return 8 if hip and head_pad >= 128 and not interp else 4
+
+
 def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool) -> PrefillConfig:
     """The prefill kernel's tile and options for a target, with any :func:`override` knobs applied."""
     # One tile per head size (no smaller tiles for short chunks): every extra tile is one more
@@ -106,11 +123,12 @@ def num_compute_units(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip: bool) -> int:
-    # sm90 decode (d128, 64 keys x 3 stages) fits 4 programs per SM (118 regs, 39 KB smem);
-    # gfx942 2 per CU (174 vgprs). Fewer than ~128 keys per split is all reduce overhead.
+def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip: bool, rows: int = 16) -> int:
+    # sm90 decode (d128, 64 keys x 3 stages, 2 warps) fits 4 programs per SM (242 regs, 39 KB smem), the
+    # 64-row short tile 2 (4 warps, 208 regs, 82 KB); gfx942 2 per CU (174 vgprs), 1 of the short tile's
+    # 8 warps. Fewer than ~128 keys per split is all reduce overhead.
     min_keys = _OVERRIDES.get("min_keys_per_split", 128)
-    per_unit = _OVERRIDES.get("programs_per_sm", 2 if hip else 4)
+    per_unit = _OVERRIDES.get("programs_per_sm", (2 if hip else 4) // (2 if rows > 16 else 1))
     # floor, not ceil: one program past a full wave costs a whole extra wave (H200, batch 8 x 8k:
     # 9 splits = 576 programs on 528 slots took 100 us, 8 splits 82 us)
     want = max(1, units * per_unit // max(programs, 1))
@@ -130,7 +148,10 @@ def decode_base(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> Dec
     block_n = 64 if head_pad <= 128 else 32
     if kv_itemsize == 1 and head_pad <= 128:
         block_n = 128
-    return DecodeConfig(block_n=block_n, num_warps=4, num_stages=3 if head_pad <= 128 else 2, num_splits=1)
+    # H200, bf16 d128, 64 x 8k: 4 warps took 674 us (164 registers with causal rows: 3 programs an SM),
+    # 2 warps 496 (242 registers, 4 an SM)
+    warps = 2 if head_pad <= 128 and kv_itemsize == 2 else 4
+    return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=3 if head_pad <= 128 else 2, num_splits=1)
 
 
 def decode_config(
@@ -144,13 +165,13 @@ def decode_config(
 def _decode_config(
     num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int, device_index: int
 ) -> DecodeConfig:
-    # num_kv_heads: programs per sequence (KV heads x head chunks); block_h is kept for callers' sake
+    # num_kv_heads: programs per sequence (KV heads x head chunks x token blocks); block_h: rows a program
     hip = is_hip()
     tile = decode_tile(head_pad, kv_itemsize, hip, interpreting())
     splits = _OVERRIDES.get("decode_num_splits")
     if splits is None:
         units = num_compute_units(device_index)
-        splits = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip)
+        splits = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip, block_h)
     return replace(tile, num_splits=max(1, int(splits)))
 
 

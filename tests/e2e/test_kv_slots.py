@@ -9,7 +9,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
 
 from kvcached.errors import KVCachedConfigError
-from kvcached.integration.vllm.kv_alloc import layer_slots
+from kvcached.integration.vllm.kv_alloc import layer_slots, state_tensors
 
 N = 64  # blocks
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16)
@@ -70,3 +70,30 @@ def test_refusals_name_the_problem() -> None:
                              _tensor(["l1", "l3"], N * PAGE, PAGE, size=3 * N * PAGE)]))
     with pytest.raises(KVCachedConfigError, match=r"no KV cache tensor to layers \['l3'\]"):
         layer_slots(_config([_tensor(["l0", "l2"], N * PAGE, PAGE), _tensor(["l1"], N * PAGE, PAGE)]))
+
+
+@pytest.mark.parametrize("block_stride", [4096, 3 * 4096])  # one page a block (per-layer) or a block of pages
+def test_mamba_state_tensors_equal_the_layers_own_unpacking(block_stride: int) -> None:
+    """vLLM 0.24-0.26 gets a Mamba layer's states from the runner; they must be the bytes that vLLM >= 0.27's
+    ``MambaBase.bind_kv_cache`` unpacks from the page view, block by block, whatever the block stride."""
+    shapes, dtypes = ((3, 8), (2, 4, 16)), (torch.bfloat16, torch.float32)
+    spec = SimpleNamespace(shapes=shapes, dtypes=dtypes)
+    blocks, offset, page = 5, 2048, 4096
+    raw = torch.randint(0, 256, (offset + blocks * block_stride,), dtype=torch.uint8)
+    got = state_tensors(raw, offset, block_stride, spec, blocks)
+    pages = torch.as_strided(raw.view(torch.int8), (blocks, page), (block_stride, 1), offset)
+    at = 0
+    for shape, dtype, t in zip(shapes, dtypes, got, strict=True):
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        want = pages[:, at:at + n].view(dtype).view(-1, *shape)
+        assert t.shape == (blocks, *shape) and t.dtype == dtype
+        assert torch.equal(t.view(torch.int8), want.view(torch.int8))
+        at += n
+    got[1][3].fill_(1.5)  # a view, not a copy: a write lands in block 3's page
+    assert torch.equal(pages[3, 48:48 + 512].view(torch.float32), torch.full((128,), 1.5))
+
+
+def test_mamba_state_tensors_refuse_a_misaligned_state() -> None:
+    spec = SimpleNamespace(shapes=((3,), (4,)), dtypes=(torch.bfloat16, torch.float32))
+    with pytest.raises(KVCachedConfigError, match="starts at byte 6"):
+        state_tensors(torch.zeros(4096, dtype=torch.uint8), 0, 1024, spec, 2)

@@ -48,6 +48,9 @@ BURST = {"prompts": BURST_PROMPTS, "max_tokens": 480}
 # under a limit cut preempted requests are recomputed: shorter outputs keep bf16 recomputation from
 # meeting a near-tie between two tokens; the first 120 steps of BURST run the very same batches
 CUT_TOKENS = 120
+# The Mamba hybrid's 12 KiB pages (48-token blocks) fit 512 to a 6 MiB page: 64 requests of ~6 blocks never fill
+# one, so its burst runs 192 at once (~1150 blocks, 3 pages) to make the pool grow and shrink
+MAMBA_BURST = {"prompts": BURST_PROMPTS * 4, "max_num_seqs": 192}
 PAGE_GROUP_SMALL = 4 * 2 * MiB  # 4 layers x one 2 MiB page (a vLLM page is kept whole)
 
 
@@ -111,7 +114,7 @@ def _specs(models: dict[str, str]) -> dict[str, tuple[dict, dict]]:
         ]}, _kv_env("kvc_gpu_phases")),
         # hybrids: a sliding-window + full Llama and a Mamba2 + attention Granite-4.0-H, both layouts
         **{f"{kind}_{layout}": (
-            {"model": models[kind], **COMMON, **BURST, "max_tokens": 200,
+            {"model": models[kind], **COMMON, **BURST, "max_tokens": 200, **(MAMBA_BURST if kind == "mamba" else {}),
              **({"ipc_name": f"kvc_gpu_{kind}_{layout}", "settle_s": 1.0} if layout != "plain" else plain)},
             _gpu_env() if layout == "plain" else
             _kv_env(f"kvc_gpu_{kind}_{layout}", KVCACHED_CONTIGUOUS_LAYOUT=str(layout == "contiguous").lower()))

@@ -411,10 +411,38 @@ def build_views(attn_groups: Iterable[Any], kernel_block_sizes: list[int], cache
         phys = torch.as_strided(raws[st.tensor].view(dtype), form.shape, strides, st.offset // itemsize)
         inverse = [form.order.index(i) for i in range(len(form.order))]
         out[name] = phys.permute(*inverse)
-    for name, _, _ in states:  # as vLLM views them: one page of bytes per block, unpacked by the layer
+    unpacks = _layer_unpacks_state() if states else True
+    for name, _, _ in states:
         st = geom.layer_strides(slots.slot_of[name])
-        out[name] = torch.as_strided(raws[st.tensor].view(torch.int8), (num_blocks, 1, 1, page_bytes),
-                                     (st.block_stride, page_bytes, page_bytes, 1), st.offset)
+        raw = raws[st.tensor]
+        if unpacks:  # as vLLM >= 0.27 views them: one page of bytes per block, unpacked by the layer
+            out[name] = torch.as_strided(raw.view(torch.int8), (num_blocks, 1, 1, page_bytes),
+                                         (st.block_stride, page_bytes, page_bytes, 1), st.offset)
+        else:
+            out[name] = state_tensors(raw, st.offset, st.block_stride, slots.spec_of[name], num_blocks)
+    return out
+
+
+def _layer_unpacks_state() -> bool:
+    """vLLM >= 0.27: ``MambaBase.bind_kv_cache`` unpacks a raw page view; before, the runner built the states."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    return hasattr(MambaBase, "bind_kv_cache")
+
+
+def state_tensors(raw: torch.Tensor, offset: int, block_stride: int, spec: Any, num_blocks: int) -> list[torch.Tensor]:
+    """A Mamba layer's states as vLLM before 0.27 hands them over: one tensor per (shape, dtype) of ``spec``,
+    ``[num_blocks, *shape]``, each block's states packed one after another from the start of its page
+    (at ``offset + block * block_stride`` bytes of ``raw``)."""
+    out, at = [], offset
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        size = torch.empty((), dtype=dtype).element_size()
+        if at % size or block_stride % size:
+            raise KVCachedConfigError(f"A Mamba state of {dtype} starts at byte {at} with a block stride of "
+                                      f"{block_stride}, not multiples of its {size}-byte elements.")
+        out.append(torch.as_strided(raw.view(dtype), (num_blocks, *shape),
+                                    (block_stride // size, *_dense_strides(tuple(shape))), at // size))
+        at += size * int(torch.Size(shape).numel())
     return out
 
 
