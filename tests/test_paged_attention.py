@@ -8,6 +8,8 @@ element all give errors far above it.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -56,7 +58,7 @@ def run_case(
                                       generator=gen, device=DEVICE)
     features = {n: f.to(DEVICE) if isinstance(f, torch.Tensor) else f for n, f in features.items()}
     out = torch.full_like(query, float("nan"))
-    with cfg.override(decode_num_splits=splits):
+    with cfg.override(decode_num_splits=splits) if splits else contextlib.nullcontext():  # None: the dispatcher's
         got = paged_attention(query, k, v, bt, sl, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
                               out=out, **features)
     assert got is out
@@ -141,6 +143,19 @@ def test_split_merge_paths_and_repeat(fused):
     with cfg.override(decode_fused_reduce=fused):
         run_case(q_lens=[1, 1, 1], seq_lens=[200, 3, 64], splits=5, seed=13, **_features("sinks"))
         run_case(q_lens=[1, 1], seq_lens=[90, 130], splits=7, seed=14)
+
+
+@pytest.mark.parametrize("fused", [0, 1])
+@pytest.mark.parametrize("feature", ["none", "window", "sinks"])
+def test_balanced_splits_for_uneven_lengths(fused, feature):
+    # the dispatcher's own split plan for a small batch of uneven lengths: the kernel cuts each sequence into
+    # runs of about the batch's mean (the longest into as many as the grid has, the shortest into one, leaving
+    # splits empty), for decodes and a short query alike
+    q_lens, seq_lens = [1, 1, 1, 1, 4], [37, 300, 1000, 700, 520]
+    plan = cfg.decode_config(len(q_lens), 2, 32, 16, 2, max(seq_lens), 0)
+    assert plan.num_splits > 1 and plan.balance > 0, plan
+    with cfg.override(decode_fused_reduce=fused):
+        run_case(q_lens=q_lens, seq_lens=seq_lens, splits=None, seed=26, **_features(feature))
 
 
 # short queries (speculative-decoding checks, drafts, a chunk's tail) beside a decode: the decode kernel's rows

@@ -24,6 +24,7 @@ class DecodeConfig:
     num_stages: int
     num_splits: int
     waves_per_eu: int = 0  # HIP only; 0 = leave to the compiler
+    balance: int = 0  # programs the kernel spreads the batch's keys over (0: equal splits per sequence)
 
     @property
     def options(self) -> dict[str, int]:
@@ -44,6 +45,8 @@ class PrefillConfig:
 
 
 _OVERRIDES: dict[str, int] = {}
+# waves of programs the decode kernel plans its splits for (0: equal splits per sequence)
+SPLIT_WAVES = 1
 KNOBS = (
     "decode_block_n",
     "decode_num_warps",
@@ -59,6 +62,7 @@ KNOBS = (
     "prefill_waves_per_eu",
     "min_keys_per_split",
     "programs_per_sm",
+    "split_waves",
 )
 
 
@@ -123,17 +127,30 @@ def num_compute_units(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip: bool, rows: int = 16) -> int:
+def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip: bool,
+                 rows: int = 16) -> tuple[int, int]:
+    """(split count, ``balance``): how many splits the grid has, and the programs the kernel spreads
+    the batch's keys over (0: every sequence in ``num_splits`` equal parts)."""
     # sm90 decode (d128, 64 keys x 3 stages, 2 warps) fits 4 programs per SM (242 regs, 39 KB smem), the
     # 64-row short tile 2 (4 warps, 208 regs, 82 KB); gfx942 2 per CU (174 vgprs), 1 of the short tile's
     # 8 warps. Fewer than ~128 keys per split is all reduce overhead.
     min_keys = _OVERRIDES.get("min_keys_per_split", 128)
     per_unit = _OVERRIDES.get("programs_per_sm", (2 if hip else 4) // (2 if rows > 16 else 1))
+    slots = units * per_unit
+    by_len = triton.cdiv(max_seq_len, max(min_keys, block_n))
+    waves = _OVERRIDES.get("split_waves", SPLIT_WAVES)
+    if waves > 0 and programs < slots * waves:
+        # The kernel cuts each sequence into runs of about (the batch's keys / (slots x waves)) keys; the
+        # grid has room for a sequence 4x the mean length, and shorter ones leave their splits empty.
+        # H200, bf16 d128, graph replay, 64 sequences of 256-16k keys: 756 us in equal splits (waves 0),
+        # 626 at 2 waves, 600 at 4; but 64 x 8k took 497 / 517 / 522 and 8 x 8k 83 / 93 / 105 (more,
+        # shorter programs): hence one wave, runs of up to 1/8 over the mean left whole.
+        splits = max(1, min(triton.cdiv(4 * slots * waves, max(programs, 1)), by_len, 128))
+        return splits, (slots * waves if splits > 1 else 0)
     # floor, not ceil: one program past a full wave costs a whole extra wave (H200, batch 8 x 8k:
     # 9 splits = 576 programs on 528 slots took 100 us, 8 splits 82 us)
-    want = max(1, units * per_unit // max(programs, 1))
-    by_len = triton.cdiv(max_seq_len, max(min_keys, block_n))
-    return max(1, min(want, by_len, 128))
+    want = max(1, slots // max(programs, 1))
+    return max(1, min(want, by_len, 128)), 0
 
 
 @functools.lru_cache(maxsize=1024)
@@ -168,11 +185,11 @@ def _decode_config(
     # num_kv_heads: programs per sequence (KV heads x head chunks x token blocks); block_h: rows a program
     hip = is_hip()
     tile = decode_tile(head_pad, kv_itemsize, hip, interpreting())
-    splits = _OVERRIDES.get("decode_num_splits")
+    splits, balance = _OVERRIDES.get("decode_num_splits"), 0
     if splits is None:
         units = num_compute_units(device_index)
-        splits = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip, block_h)
-    return replace(tile, num_splits=max(1, int(splits)))
+        splits, balance = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip, block_h)
+    return replace(tile, num_splits=max(1, int(splits)), balance=balance)
 
 
 @functools.lru_cache(maxsize=16)

@@ -27,7 +27,7 @@ import triton.language as tl
 from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
 # run-time scalars whose value must not make Triton compile another specialisation
-_NO_SPECIALISE = ["group", "bs_shift", "num_splits", "fused", "window", "causal", "has_alibi", "has_sinks",
+_NO_SPECIALISE = ["group", "bs_shift", "num_splits", "balance", "fused", "window", "causal", "has_alibi", "has_sinks",
                   "short_max", "qmax", "tblocks"]
 
 
@@ -55,6 +55,7 @@ def decode_kernel(
     group,
     bs_shift,
     num_splits,
+    balance,
     fused,
     short_max,
     qmax,
@@ -136,8 +137,20 @@ def decode_kernel(
 
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.where(causal != 0, last + 1, seq_len)  # causal rows see nothing past the last one
-    # num_splits 1: span >= hi - lo, the whole range
-    span = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+    parts = num_splits
+    if (num_splits > 1) & (balance > 0):
+        # Uneven lengths: cut every sequence into runs of at most about the batch's keys / ``balance``
+        # (one wave of programs), instead of each into num_splits equal parts (the longest would set
+        # the time). The sum is read here, not on the host, so a replayed CUDA graph plans afresh.
+        total = (seq_len * 0).to(tl.int64)
+        for b0 in range(0, tl.num_programs(0), 256):
+            bs = b0 + tl.arange(0, 256)
+            total += tl.sum(tl.load(seq_lens_ptr + bs, mask=bs < tl.num_programs(0), other=0).to(tl.int64), 0)
+        per_program = tl.maximum(tl.cdiv(total * tl.num_programs(1), balance), 1)
+        # up to 1/8 over the mean stays whole: a batch of equal lengths that fills the GPU keeps one run each
+        parts = tl.minimum(tl.maximum(tl.cdiv(hi - lo, per_program + per_program // 8), 1), num_splits).to(tl.int32)
+    # parts 1: span >= hi - lo, the whole range; splits past ``parts`` write an empty partial
+    span = tl.cdiv(tl.cdiv(hi - lo, parts), BLOCK_N) * BLOCK_N
     lo = lo + split * span
     hi = tl.minimum(lo + span, hi)
 
