@@ -88,20 +88,23 @@ def decode_tile(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> Dec
                    waves_per_eu=o.get("decode_waves_per_eu", base.waves_per_eu))
 
 
-def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> int:
+def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: bool, hopper: bool = False) -> int:
     """Warps of a decode program with ``rows`` query rows (16: single tokens; 64: short queries).
 
     H200, bf16 32/8 heads d128, 64 x 8k, graph replay: the 64-row tile took 1191 us at 8 warps and
-    660 at 4 (one warpgroup holds all 64 rows, so Hopper's wgmma takes the dots). gfx942 (compile
-    check): 64 rows of a 128- or 256-wide head spill at 4 warps (8 registers at d128, 26 at d256), so
-    8 there. The 16-row tile's warps are :func:`decode_tile`'s. ``override(short_num_warps=)`` sets them.
+    660 at 4 (one warpgroup holds all 64 rows, so Hopper's wgmma takes the dots). Elsewhere 64 rows of
+    a 128- or 256-wide head spill at 4 warps (compile check: gfx942 8 registers at d128, 26 at d256;
+    sm80 72 bytes of stack at d128; sm90 208 at d256), so 8 there. The 16-row tile's warps are
+    :func:`decode_tile`'s. ``override(short_num_warps=)`` sets them.
     """
     if rows <= 16:
         return decode_tile(head_pad, kv_itemsize, hip, interp).num_warps
     knob = _OVERRIDES.get("short_num_warps")
     if knob is not None:
         return knob
-    return 8 if hip and head_pad >= 128 and not interp else 4
+    if interp or head_pad < 128 or (hopper and not hip and head_pad == 128):
+        return 4
+    return 8
 
 
 def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool) -> PrefillConfig:

@@ -269,7 +269,7 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     const = {"BLOCK_H": block_h, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
              "FEATURES": decode_features, "FP8_KV": fp8, "INTERP": interp}
     short = "-short" if block_h == SHORT_BLOCK_H else ""
-    warps = cfg.decode_warps(block_h, head_pad, itemsize, hip, interp)
+    warps = cfg.decode_warps(block_h, head_pad, itemsize, hip, interp, hopper=big_smem)
     out.append(CompileVariant(f"attn_decode{short}[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
                               decode_kernel, _signature(decode_kernel, qt, kt), const,
                               cfg.launch_options(warps, dc.num_stages, dc.waves_per_eu, hip, interp)))
