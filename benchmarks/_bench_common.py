@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import gc
+import os
 import re
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+# The shapes of the attention benchmarks: bf16, 32 query / 8 KV heads, head 128, block 16.
+KV_HEADS, Q_HEADS, HEAD, BLOCK = 8, 32, 128, 16
+DT = torch.bfloat16
+GB = 1e9
+FAILED_CHECKS: list[str] = []  # every check close() found wrong, for the result file's correctness line
+
+
+def bench_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Adds --quick, --out and --device to a script's own options and parses them; on the CPU (--device cpu,
+    or no GPU) switches Triton to its interpreter, which must come before any kernel module is imported."""
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output directory")
+    ap.add_argument("--device", default=None, help="cuda (default when a GPU is there) or cpu (interpreter)")
+    args = ap.parse_args()
+    if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return args
 
 
 def time_us(fn: Callable[[], object], device: torch.device, *, reps: int = 3) -> float:
@@ -119,6 +142,17 @@ class Table:
         return "\n".join(lines) + "\n"
 
 
+def write_report(out_dir: str | Path, stem: str, title: str, env: dict[str, str], lines: list[str],
+                 tables: list[Table]) -> None:
+    """Writes <out_dir>/<stem>.md (the title, the environment, lines, then the tables) and prints it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    head = [f"# {title}", ""] + [f"- {k}: {v}" for k, v in env.items()] + lines
+    text = "\n".join(head) + "\n" + "\n".join(t.markdown() for t in tables)
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+    print(f"wrote {out / f'{stem}.md'}")
+
 def _fmt(v: object) -> str:
     if v is None:
         return "-"
@@ -131,3 +165,78 @@ def _fmt(v: object) -> str:
             return f"{v:.2f}"
         return f"{v:.3g}"
     return str(v).replace("|", "/")
+
+
+# -- attention pieces shared by bench_kernels.py and bench_peers.py ------------------------------
+def kv_cache(layout, num_blocks: int, layers: int, device: torch.device):
+    """Layer 0 (per-layer) or the last layer (contiguous) of a real layout, filled with random bf16."""
+    from kvcached.layout import KVGeometry, KVSpec, allocate_plain, k_v_views
+
+    spec = KVSpec(layers, num_blocks, BLOCK, KV_HEADS, HEAD, DT)
+    geom = KVGeometry(spec, layout, 2 << 20)
+    bases = allocate_plain(geom, device)
+    kc, vc = k_v_views(bases, geom, layers - 1)
+    kc.normal_()
+    vc.normal_()
+    return bases, kc, vc
+
+
+def layers_for(layout, per_layer_bytes: float, mem_gb: float) -> int:
+    from kvcached.layout import Layout
+
+    if layout is Layout.PER_LAYER:
+        return 1  # a layer's views are the same whatever the number of layers
+    return max(2, min(8, int(mem_gb * GB // max(per_layer_bytes, 1))))
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-2, bad: str = "WRONG") -> str:
+    """'ok <max error>' when got (any dtype) matches the float64 want, else '<bad> <max error>' (and noted)."""
+    err = (got.double() - want).abs().max().item()
+    ok = err <= atol + 2e-2 * want.abs().max().item()
+    if not ok:
+        FAILED_CHECKS.append(f"{what}: max error {err:.3g}")
+    return f"{'ok' if ok else bad} {err:.1e}"
+
+
+def err_text(exc: BaseException) -> str:
+    if os.environ.get("KVCACHED_BENCH_TRACE"):
+        traceback.print_exception(exc)
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def vllm_peers() -> dict:
+    """vLLM's Triton unified attention and FA3 (from vLLM's CUDA build), when importable: imported only here,
+    after every dense SDPA row (vLLM's import changes SDPA's timings, see FACTS.md). A peer that is not
+    there is the exception that says why."""
+    found: dict = {}
+    try:
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+        found["vLLM Triton unified (peer)"] = unified_attention
+    except Exception as exc:  # absent peers are rows that say so
+        found["vLLM Triton unified (peer)"] = exc
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        found["FA3 paged (peer)"] = flash_attn_varlen_func
+    except Exception as exc:
+        found["FA3 paged (peer)"] = exc
+    return found
+
+
+def peer_call(name: str, peer, q, kc, vc, table, lens, qsl, max_q: int, max_k: int) -> Callable[[], torch.Tensor]:
+    """A call of a vllm_peers() peer with our arguments (causal, scale 1/sqrt(D)); returns the output."""
+    if name.startswith("vLLM"):
+        out = torch.empty_like(q)
+        return lambda: peer(
+            q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, max_seqlen_q=max_q, seqused_k=lens, max_seqlen_k=max_k,
+            softmax_scale=HEAD**-0.5, causal=True, window_size=(-1, -1), block_table=table, softcap=0,
+            q_descale=None, k_descale=None, v_descale=None) or out
+    return lambda: peer(q, kc, vc, max_seqlen_q=max_q, cu_seqlens_q=qsl, max_seqlen_k=max_k, seqused_k=lens,
+                        softmax_scale=HEAD**-0.5, causal=True, block_table=table, fa_version=3)

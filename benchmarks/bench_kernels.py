@@ -23,53 +23,66 @@ Counting (bf16 = 2 B; H = query heads, Hk = KV heads, D = head size, S = context
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-KV_HEADS, Q_HEADS, HEAD, BLOCK = 8, 32, 128, 16
 SECTIONS = ("decode", "prefill", "write", "mla", "short")
-GB = 1e9
+
+
+from _bench_common import bench_args  # noqa: E402  (torch only: the kernels come once the device is known)
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a handful of shapes (smoke run)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output directory")
-    ap.add_argument("--device", default=None, help="cuda (default when a GPU is there) or cpu (interpreter)")
     ap.add_argument("--mem-gb", type=float, default=100.0, help="skip shapes whose largest phase exceeds this")
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (its compiles are slow)")
     ap.add_argument("--only", default="", help="comma-separated sections of " + ",".join(SECTIONS) +
                     "; the table then goes to kernels_<gpu>_<sections>.md, leaving the full one as it was")
-    return ap.parse_args()
+    return bench_args(ap)  # --quick, --out, --device
 
 
 ARGS = parse_args()
-if ARGS.device == "cpu" or (ARGS.device is None and not __import__("torch").cuda.is_available()):
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from _bench_common import Table, environment, gpu_slug, graph_time_us, time_us  # noqa: E402
+from _bench_common import (  # noqa: E402
+    BLOCK,
+    DT,
+    FAILED_CHECKS,
+    GB,
+    HEAD,
+    KV_HEADS,
+    Q_HEADS,
+    Table,
+    close,
+    environment,
+    err_text,
+    free_memory,
+    gpu_slug,
+    graph_time_us,
+    kv_cache,
+    layers_for,
+    peer_call,
+    time_us,
+    vllm_peers,
+    write_report,
+)
 
 from kvcached.kernels import paged_attention, paged_mla_decode, write_kv_cache  # noqa: E402
 from kvcached.kernels.reference import mla_decode_ref, paged_attention_ref  # noqa: E402
-from kvcached.layout import KVGeometry, KVSpec, Layout, allocate_plain, k_v_views, mla_view  # noqa: E402
+from kvcached.layout import KVGeometry, KVSpec, Layout, allocate_plain, mla_view  # noqa: E402
 
 T_START = time.time()
 FLEX_DEADLINE_S = 240  # FlexAttention compiles per shape; stop adding flex rows after this
 DEV = torch.device(ARGS.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 GPU = DEV.type == "cuda"
-DT = torch.bfloat16
-FAILED_CHECKS: list[str] = []
 
 
 # -- ceilings ---------------------------------------------------------------------------------
@@ -112,32 +125,6 @@ def ceilings(tab: Table) -> dict[str, float]:
     mm = 2 * n**3 / t / 1e6
     tab.add(f"bf16 matmul {n}^3", "-", t, f"{mm:.0f} TFLOP/s")
     return {"copy": copy_bw, "gather": gather_bw, "matmul": mm}
-
-
-# -- cache construction -----------------------------------------------------------------------
-def kv_cache(layout: Layout, num_blocks: int, layers: int):
-    """Layer 0 (per-layer) or the last layer (contiguous) of a real layout, filled with random bf16."""
-    spec = KVSpec(layers, num_blocks, BLOCK, KV_HEADS, HEAD, DT)
-    geom = KVGeometry(spec, layout, 2 << 20)
-    bases = allocate_plain(geom, DEV)
-    kc, vc = k_v_views(bases, geom, layers - 1)
-    kc.normal_()
-    vc.normal_()
-    return bases, kc, vc
-
-
-def layers_for(layout: Layout, per_layer_bytes: float) -> int:
-    if layout is Layout.PER_LAYER:
-        return 1  # a layer's views are the same whatever the number of layers
-    return max(2, min(8, int(ARGS.mem_gb * GB // max(per_layer_bytes, 1))))
-
-
-def close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-2) -> str:
-    err = (got.double() - want).abs().max().item()
-    ok = err <= atol + 2e-2 * want.abs().max().item()
-    if not ok:
-        FAILED_CHECKS.append(f"{what}: max error {err:.3g}")
-    return f"{'ok' if ok else 'WRONG'} {err:.1e}"
 
 
 # -- decode ----------------------------------------------------------------------------------
@@ -194,9 +181,9 @@ def run_decode(tab: Table, ceil: dict[str, float], shapes, flex_shapes: set) -> 
         want = None
         times = {}
         for layout in (Layout.PER_LAYER, Layout.CONTIGUOUS):
-            layers = layers_for(layout, per_layer)
+            layers = layers_for(layout, per_layer, ARGS.mem_gb)
             try:
-                bases, kc, vc = kv_cache(layout, num_blocks, layers)
+                bases, kc, vc = kv_cache(layout, num_blocks, layers, DEV)
                 if want is None or layout is Layout.CONTIGUOUS:
                     want = paged_attention_ref(q[:sl], kc, vc, table[:sl], lens[:sl], qsl[: sl + 1],
                                                scale=HEAD**-0.5)
@@ -220,12 +207,12 @@ def run_decode(tab: Table, ceil: dict[str, float], shapes, flex_shapes: set) -> 
                     try:  # a failing peer is its own row, never charged to ours
                         peers(tab, series, q, kc, vc, table, lens, want, batch, ctx, bytes_moved, ceil, flex_shapes, t)
                     except Exception as exc:
-                        tab.add(batch, ctx, "peer", None, None, None, None, None, "ERROR", _err(exc))
+                        tab.add(batch, ctx, "peer", None, None, None, None, None, "ERROR", err_text(exc))
                 del bases, kc, vc
                 fn = None  # the closure holds the cache: drop it before the next layout allocates
             except Exception as exc:  # a failure is a row of the table, not the end of the run
-                tab.add(batch, ctx, f"ours {layout.value}", None, None, None, None, None, "ERROR", _err(exc))
-            _free()
+                tab.add(batch, ctx, f"ours {layout.value}", None, None, None, None, None, "ERROR", err_text(exc))
+            free_memory(DEV)
     return series
 
 
@@ -248,7 +235,7 @@ def peers(tab, series, q, kc, vc, table, lens, want, batch, ctx, bytes_moved, ce
                 "contiguous K/V, enable_gqa")
         series.setdefault("SDPA dense", []).append((batch, ctx, bw))
     except Exception as exc:
-        tab.add(batch, ctx, "SDPA dense (peer)", None, None, None, None, None, "ERROR", _err(exc))
+        tab.add(batch, ctx, "SDPA dense (peer)", None, None, None, None, None, "ERROR", err_text(exc))
         k = v = None
     if ARGS.no_flex or (batch, ctx) not in flex_shapes:
         return
@@ -265,9 +252,9 @@ def peers(tab, series, q, kc, vc, table, lens, want, batch, ctx, bytes_moved, ce
             raise RuntimeError(f"paged flex gave a wrong answer ({check})")
     except Exception as exc:
         if k is None:
-            tab.add(batch, ctx, name, None, None, None, None, None, "ERROR", _err(exc))
+            tab.add(batch, ctx, name, None, None, None, None, None, "ERROR", err_text(exc))
             return
-        name, note = "Flex gathered (peer)", f"paged flex failed ({_err(exc)[:120]}); plain flex on gathered K/V"
+        name, note = "Flex gathered (peer)", f"paged flex failed ({err_text(exc)[:120]}); plain flex on gathered K/V"
         dense = flex_dense_fn(q.unsqueeze(2), k, v, causal=False)
 
         def fn():
@@ -286,25 +273,6 @@ def peers(tab, series, q, kc, vc, table, lens, want, batch, ctx, bytes_moved, ce
 
 
 # -- short queries (speculative decoding) ------------------------------------------------------
-def _vllm_peers() -> dict:
-    """vLLM's Triton unified attention and FA3 (from vLLM's CUDA build), when importable: imported only here,
-    after every dense SDPA row (vLLM's import changes SDPA's timings, see FACTS.md)."""
-    found = {}
-    try:
-        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
-
-        found["vLLM Triton unified (peer)"] = unified_attention
-    except Exception as exc:  # absent peers are rows that say so
-        found["vLLM Triton unified (peer)"] = exc
-    try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-        found["FA3 paged (peer)"] = flash_attn_varlen_func
-    except Exception as exc:
-        found["FA3 paged (peer)"] = exc
-    return found
-
-
 def run_short(tab: Table, ceil: dict[str, float], batch: int, ctx: int, q_lens) -> None:
     """Each of ``batch`` sequences of ``ctx`` keys with q new tokens (causal): the KV must be read once."""
     nb = ctx // BLOCK + 1
@@ -313,7 +281,7 @@ def run_short(tab: Table, ceil: dict[str, float], batch: int, ctx: int, q_lens) 
     vc = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD, dtype=DT, device=DEV)
     table = torch.randperm(num_blocks, device=DEV).to(torch.int32).view(batch, nb)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    peers_found = _vllm_peers() if GPU else {}
+    peers_found = vllm_peers() if GPU else {}
     t_decode = None
     for n in q_lens:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * n
@@ -326,19 +294,11 @@ def run_short(tab: Table, ceil: dict[str, float], batch: int, ctx: int, q_lens) 
             return paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=ctx, scale=HEAD**-0.5)
 
         rows = [("ours", ours, "")]
-        out = torch.empty_like(q)
         for name, peer in peers_found.items():
             if isinstance(peer, Exception):
-                rows.append((name, None, f"absent: {_err(peer)[:100]}"))
-            elif name.startswith("vLLM"):
-                rows.append((name, lambda peer=peer, q=q, qsl=qsl, n=n, out=out: peer(
-                    q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, max_seqlen_q=n, seqused_k=lens, max_seqlen_k=ctx,
-                    softmax_scale=HEAD**-0.5, causal=True, window_size=(-1, -1), block_table=table, softcap=0,
-                    q_descale=None, k_descale=None, v_descale=None) or out, ""))
+                rows.append((name, None, f"absent: {err_text(peer)[:100]}"))
             else:
-                rows.append((name, lambda peer=peer, q=q, qsl=qsl, n=n: peer(
-                    q, kc, vc, max_seqlen_q=n, cu_seqlens_q=qsl, max_seqlen_k=ctx, seqused_k=lens,
-                    softmax_scale=HEAD**-0.5, causal=True, block_table=table, fa_version=3), ""))
+                rows.append((name, peer_call(name, peer, q, kc, vc, table, lens, qsl, n, ctx), ""))
         for name, fn, note in rows:
             if fn is None:
                 tab.add(batch, ctx, n, name, None, None, None, None, "-", note)
@@ -352,8 +312,8 @@ def run_short(tab: Table, ceil: dict[str, float], batch: int, ctx: int, q_lens) 
                 ratio = t / t_decode if t_decode else None
                 tab.add(batch, ctx, n, name, t, bw, 100 * bw / ceil["gather"], ratio, check, note)
             except Exception as exc:
-                tab.add(batch, ctx, n, name, None, None, None, None, "ERROR", _err(exc))
-            _free()
+                tab.add(batch, ctx, n, name, None, None, None, None, "ERROR", err_text(exc))
+            free_memory(DEV)
 
 
 # -- prefill ---------------------------------------------------------------------------------
@@ -369,7 +329,8 @@ def run_prefill(tab: Table, ceil: dict[str, float], sizes, flex_sizes: set[int])
         t_sdpa = None
         for layout in (Layout.PER_LAYER, Layout.CONTIGUOUS):
             try:
-                bases, kc, vc = kv_cache(layout, nb, layers_for(layout, nb * BLOCK * KV_HEADS * HEAD * 4))
+                layers = layers_for(layout, nb * BLOCK * KV_HEADS * HEAD * 4, ARGS.mem_gb)
+                bases, kc, vc = kv_cache(layout, nb, layers, DEV)
                 # check the first and the last w query rows against float64 (whole context for the last)
                 first = paged_attention_ref(q[:w], kc, vc, table, torch.tensor([w], dtype=torch.int32, device=DEV),
                                             torch.tensor([0, w], dtype=torch.int32, device=DEV), scale=HEAD**-0.5)
@@ -394,8 +355,8 @@ def run_prefill(tab: Table, ceil: dict[str, float], sizes, flex_sizes: set[int])
                 del bases, kc, vc
                 fn = None
             except Exception as exc:
-                tab.add(n, f"ours {layout.value}", None, None, None, None, "ERROR " + _err(exc))
-            _free()
+                tab.add(n, f"ours {layout.value}", None, None, None, None, "ERROR " + err_text(exc))
+            free_memory(DEV)
 
 
 def prefill_peers(tab, ceil, q, kc, vc, table, n, flops, first, last, w, flex_sizes):
@@ -421,7 +382,7 @@ def prefill_peers(tab, ceil, q, kc, vc, table, n, flops, first, last, w, flex_si
                     100 * tf_flex / ceil["matmul"], None, check)
         return t
     except Exception as exc:
-        tab.add(n, "peers", None, None, None, None, "ERROR " + _err(exc))
+        tab.add(n, "peers", None, None, None, None, "ERROR " + err_text(exc))
         return None
 
 
@@ -435,7 +396,7 @@ def run_write(tab: Table, ceil: dict[str, float], tokens: int) -> None:
     t_per = None
     for layout in (Layout.PER_LAYER, Layout.CONTIGUOUS):
         try:
-            bases, kc, vc = kv_cache(layout, num_blocks, 1 if layout is Layout.PER_LAYER else 4)
+            bases, kc, vc = kv_cache(layout, num_blocks, 1 if layout is Layout.PER_LAYER else 4, DEV)
 
             def fn(kc=kc, vc=vc):
                 write_kv_cache(key, value, kc, vc, slots)
@@ -454,8 +415,8 @@ def run_write(tab: Table, ceil: dict[str, float], tokens: int) -> None:
             del bases, kc, vc
             fn = None
         except Exception as exc:
-            tab.add(tokens, f"ours {layout.value}", None, None, None, None, "ERROR " + _err(exc))
-        _free()
+            tab.add(tokens, f"ours {layout.value}", None, None, None, None, "ERROR " + err_text(exc))
+        free_memory(DEV)
 
 
 # -- MLA decode ------------------------------------------------------------------------------
@@ -492,25 +453,12 @@ def run_mla(tab: Table, ceil: dict[str, float], shapes) -> None:
                 del bases, cache
                 fn = None
             except Exception as exc:
-                tab.add(batch, heads, ctx, f"ours {layout.value}", None, None, None, None, None, "ERROR " + _err(exc))
-            _free()
+                tab.add(batch, heads, ctx, f"ours {layout.value}", None, None, None, None, None,
+                        "ERROR " + err_text(exc))
+            free_memory(DEV)
 
 
 # -- output ----------------------------------------------------------------------------------
-def _err(exc: BaseException) -> str:
-    if os.environ.get("KVCACHED_BENCH_TRACE"):
-        traceback.print_exception(exc)
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-
-
-def _free() -> None:
-    import gc
-
-    gc.collect()
-    if GPU:
-        torch.cuda.empty_cache()
-
-
 def plot(series: dict, path: Path) -> str:
     try:
         import matplotlib
@@ -594,16 +542,12 @@ def main() -> int:
     slug = gpu_slug(DEV)
     stem = f"kernels_{slug}" + ("_" + "_".join(x for x in SECTIONS if x in want) if only else "")
     plot_note = plot(series, out / f"{stem}.png") if series else "no decode plot"
-    header = [f"# Kernel benchmark ({slug})", ""] + [f"- {k}: {v}" for k, v in env.items()]
-    header += [f"- wall time: {time.time() - t_start:.0f} s; {plot_note}",
-               f"- correctness: {'all checks passed' if not FAILED_CHECKS else 'FAILED: ' + '; '.join(FAILED_CHECKS)}",
-               "", "Formulas: see the docstring of benchmarks/bench_kernels.py (bytes = K+V read once; "
-               "FLOPs = 4*B*H*S*D decode, 4*H*D*n(n+1)/2 causal prefill).", ""]
+    lines = [f"- wall time: {time.time() - t_start:.0f} s; {plot_note}",
+             f"- correctness: {'all checks passed' if not FAILED_CHECKS else 'FAILED: ' + '; '.join(FAILED_CHECKS)}",
+             "", "Formulas: see the docstring of benchmarks/bench_kernels.py (bytes = K+V read once; "
+             "FLOPs = 4*B*H*S*D decode, 4*H*D*n(n+1)/2 causal prefill).", ""]
     tables = [ceil_tab] + [t for name, t in zip(SECTIONS, (dec, pre, wr, mla, short), strict=True) if name in want]
-    text = "\n".join(header) + "\n" + "\n".join(t.markdown() for t in tables)
-    (out / f"{stem}.md").write_text(text)
-    print(text)
-    print(f"wrote {out / f'{stem}.md'}")
+    write_report(out, stem, f"Kernel benchmark ({slug})", env, lines, tables)
     return 1 if FAILED_CHECKS else 0
 
 

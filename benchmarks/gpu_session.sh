@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build kvcached, run the GPU tests and the benchmarks; everything lands under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|quick] [BUNDLE_DIR]
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|peers|quick] [BUNDLE_DIR]
 # (tp: the tensor-parallel engine test alone, on the two-GPU machine, kind nvidia-h200-x2; timeline: the
-# two-engine plot of bench_serving alone; `all` runs neither, since vllm and serving hold them)
+# two-engine plot of bench_serving alone; `all` runs neither, since vllm and serving hold them; peers:
+# bench_peers.py, our attention against vLLM's Triton attention, FA3 and SDPA; not in `all` either)
 # With a vLLM bundle (../shared/tools/vllm-gpu-bundle/build.sh BUNDLE_DIR; default .gpu-bundle) vLLM's CUDA
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 set -uo pipefail
@@ -72,6 +73,10 @@ if has kernels || has quick; then
   log "bench_kernels"
   mode=""; [[ "$what" == quick ]] && mode="--quick"
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/bench_kernels.py $mode ${BENCH_ARGS:-} 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
+fi
+if [[ " ${what//,/ } " == *" peers "* ]]; then
+  log "bench_peers"
+  timeout "${PEERS_TIMEOUT:-480}" python3 benchmarks/bench_peers.py ${PEERS_ARGS:-} 2>&1 | tail -120 | tee "$OUT/bench_peers.log"
 fi
 log "collect"
 tar czf "$OUT/results.tar.gz" benchmarks/results

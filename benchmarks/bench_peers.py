@@ -1,0 +1,324 @@
+#!/usr/bin/env python
+"""Our paged attention against its peers: vLLM's Triton unified attention, FA3 and dense SDPA, on the same data.
+
+    python benchmarks/bench_peers.py                  # every case (GPU)
+    python benchmarks/bench_peers.py --quick          # fewer shapes
+    python benchmarks/bench_peers.py --only decode,mixed   # some kinds (peers_<gpu>_<kinds>.md)
+    python benchmarks/bench_peers.py --quick --device cpu  # plumbing only (Triton interpreter, peers absent)
+
+Every case: bf16, 32 query / 8 KV heads, head 128, block 16, causal, random data, block tables
+from randperm; one call covers the whole batch (query_start_loc over every sequence). Ours runs
+on the per-layer cache and on the last layer of a contiguous cache holding the same values;
+vLLM's Triton unified attention and FA3 (from vLLM's CUDA build) run on both too. Dense SDPA
+(flash backend, K/V gathered into contiguous tensors, enable_gqa) runs for the decode and
+prefill cases only, in a child process that never imports vLLM (vLLM's import slows SDPA,
+FACTS.md): this script first runs itself with --sdpa-only --json PATH.
+
+Timing: each (case, impl) 3 times, each a fresh CUDA-graph capture timed by do_bench (median;
+eager do_bench where no graph can be made); the table gives the median of the 3 and their
+min-max. Each output is first checked against a float64 reference on a slice (the first two
+sequences; for long queries their first and last 64 tokens).
+Counting: bytes = K+V of every sequence read once + query in and output out (decode, uneven,
+short, mixed); prefill FLOPs = 4*H*D*n(n+1)/2 per sequence (causal).
+Writes benchmarks/results/peers_<gpu>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+KINDS = ("decode", "uneven", "short", "mixed", "prefill")
+SDPA_KINDS = ("decode", "prefill")
+VLLM, FA3 = "vLLM Triton unified (peer)", "FA3 paged (peer)"  # the names bc.vllm_peers() gives
+MEM_GB = 100.0  # the contiguous cache gets as many layers (2..8) as fit in this
+
+import _bench_common as bc  # noqa: E402  (torch only: the kernels come once the device is known)
+from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated kinds of " + ",".join(KINDS))
+    ap.add_argument("--sdpa-only", action="store_true", help="(internal) time dense SDPA only, without vLLM")
+    ap.add_argument("--json", default="", help="(internal) where --sdpa-only writes its results")
+    return bc.bench_args(ap)  # --quick, --out, --device
+
+
+ARGS = parse_args()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kvcached.kernels import paged_attention  # noqa: E402
+from kvcached.kernels.reference import paged_attention_ref  # noqa: E402
+from kvcached.layout import Layout  # noqa: E402
+
+DEV = torch.device(ARGS.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+GPU = DEV.type == "cuda"
+LAYOUTS = {Layout.PER_LAYER: "per-layer", Layout.CONTIGUOUS: "contiguous"}
+
+
+@dataclass
+class Case:
+    kind: str
+    name: str
+    q_lens: list[int]
+    seq_lens: list[int]
+    check_seqs: tuple[int, ...] = (0, 1)
+
+    def work(self) -> tuple[float, str]:
+        """Bytes (memory-bound kinds) or FLOPs (prefill) of one call, and the rate's unit."""
+        if self.kind == "prefill":
+            return sum(4 * Q_HEADS * HEAD * n * (n + 1) / 2 for n in self.q_lens), "TFLOP/s"
+        return (sum(self.seq_lens) * KV_HEADS * HEAD * 2 * 2 + sum(self.q_lens) * Q_HEADS * HEAD * 2 * 2), "TB/s"
+
+
+def make_cases(kinds: list[str]) -> list[Case]:
+    quick = ARGS.quick
+    if GPU:
+        ctx, batches, qs = 8192, (1, 64) if quick else (1, 8, 64, 256), (4,) if quick else (2, 4, 8, 16)
+        n_uneven, lo, hi = 64, 256, 16384
+        chunks, new, prior, decodes = 4, 1024, 3072, 60
+        prefills = [(1, 8192)] if quick else [(1, 8192), (8, 1024)]
+    else:  # interpreter: tiny shapes, plumbing only
+        ctx, batches, qs = 64, (1, 2), (2, 4)
+        n_uneven, lo, hi = 3, 16, 64
+        chunks, new, prior, decodes = 1, 8, 24, 2
+        prefills = [(1, 32), (2, 16)]
+    out = [Case("decode", f"decode {b}x{ctx}", [1] * b, [ctx] * b) for b in batches]
+    lens = torch.randint(lo, hi + 1, (n_uneven,), generator=torch.Generator().manual_seed(0)).tolist()
+    out.append(Case("uneven", f"uneven {n_uneven}x{lo}..{hi}", [1] * n_uneven, lens))
+    n_short = 64 if GPU else 2
+    out += [Case("short", f"short q={n} {n_short}x{ctx}", [n] * n_short, [ctx] * n_short) for n in qs]
+    out.append(Case("mixed", f"mixed {chunks}x{new}(+{prior}) + {decodes}x{ctx}", [new] * chunks + [1] * decodes,
+                    [prior + new] * chunks + [ctx] * decodes, (0, chunks)))
+    out += [Case("prefill", f"prefill {b}x{n}", [n] * b, [n] * b, (0, b - 1) if b > 1 else (0,)) for b, n in prefills]
+    return [c for c in out if c.kind in kinds]
+
+
+# -- data, reference, timing ------------------------------------------------------------------
+def inputs(case: Case):
+    """Query, block table, lengths and a per-layer cache; the same values in every process (seeded by name)."""
+    torch.manual_seed(zlib.crc32(case.name.encode()))
+    q = torch.randn(sum(case.q_lens), Q_HEADS, HEAD, dtype=DT, device=DEV)
+    nb = -(-max(case.seq_lens) // BLOCK)
+    table = torch.randperm(len(case.seq_lens) * nb, device=DEV).to(torch.int32).view(-1, nb)
+    lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    bases, kc, vc = bc.kv_cache(Layout.PER_LAYER, table.numel(), 1, DEV)
+    return q, table, lens, qsl, bases, kc, vc
+
+
+def reference(case: Case, q, kc, vc, table, qsl, w: int = 64):
+    """Float64 output of the check_seqs sequences (whole, or their first and last w query tokens) and its rows."""
+    rows, want = [], []
+    starts = qsl.tolist()
+    for i in [i for i in case.check_seqs if i < len(case.seq_lens)]:
+        lo, hi = starts[i], starts[i + 1]
+        for a, b in [(lo, hi)] if hi - lo <= 2 * w else [(lo, lo + w), (hi - w, hi)]:
+            seen = case.seq_lens[i] - (hi - b)  # keys the piece's last token sees
+            want.append(paged_attention_ref(q[a:b], kc, vc, table[i:i + 1],
+                                            torch.tensor([seen], dtype=torch.int32, device=DEV),
+                                            torch.tensor([0, b - a], dtype=torch.int32, device=DEV),
+                                            scale=HEAD**-0.5))
+            rows.append(torch.arange(a, b))
+    return torch.cat(rows).to(DEV), torch.cat(want)
+
+
+def measure(fn, rows, want, what: str, pack=lambda o: o) -> dict:
+    """Check fn's output on the reference rows, then time it 3 times (a fresh graph capture each)."""
+    check = bc.close(pack(fn())[rows], want, what, bad="BAD")
+    times, note = [], ""
+    for _ in range(3):
+        t = None
+        if GPU:
+            try:
+                t = bc.graph_time_us(fn, DEV)
+            except Exception as exc:  # no graph for this one: its eager time stands, and the row says so
+                note = f"eager (no graph: {bc.err_text(exc)[:80]})"
+        times.append(t if t is not None else bc.time_us(fn, DEV, reps=3 if GPU else 1))
+    return {"t": statistics.median(times), "lo": min(times), "hi": max(times), "check": check, "note": note}
+
+
+# -- dense SDPA (its own process: no vLLM there) --------------------------------------------------
+def sdpa_case(case: Case) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, table, lens, qsl, bases, kc, vc = inputs(case)
+    rows, want = reference(case, q, kc, vc, table, qsl)
+    b, n, s = len(case.seq_lens), case.q_lens[0], case.seq_lens[0]
+    k = kc[table.long()].reshape(b, s, KV_HEADS, HEAD).transpose(1, 2).contiguous()
+    v = vc[table.long()].reshape(b, s, KV_HEADS, HEAD).transpose(1, 2).contiguous()
+    del bases, kc, vc
+    q4 = q.view(b, n, Q_HEADS, HEAD).transpose(1, 2).contiguous()
+    backend = [SDPBackend.FLASH_ATTENTION]
+
+    def fn():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q4, k, v, is_causal=n > 1, enable_gqa=True)
+
+    note = "flash backend"
+    try:
+        fn()
+    except RuntimeError as exc:  # no flash kernel here (the CPU's may refuse GQA): the default choice
+        backend = list(SDPBackend)
+        note = f"flash refused ({bc.err_text(exc)[:60]}); default backend"
+    res = measure(fn, rows, want, f"sdpa {case.name}", pack=lambda o: o.transpose(1, 2).reshape(b * n, Q_HEADS, HEAD))
+    res["note"] = "; ".join(x for x in (note, res["note"], "own process, vLLM never imported") if x)
+    return res
+
+
+def sdpa_child(kinds: list[str]) -> dict:
+    """Runs this script with --sdpa-only in a fresh process; its results by case name, or {'error': ...}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sdpa.json"
+        cmd = [sys.executable, __file__, "--sdpa-only", "--json", str(path), "--device", DEV.type,
+               "--only", ",".join(kinds)] + (["--quick"] if ARGS.quick else [])
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            return {"error": "SDPA child process timed out (600 s)"}
+        if run.returncode != 0 or not path.exists():
+            return {"error": f"SDPA child process rc {run.returncode}: {' '.join(run.stderr.split()[-40:])}"}
+        return json.loads(path.read_text())
+
+
+# -- ours and the vLLM peers (this process) ---------------------------------------------------------
+def run_case(case: Case, peers: dict) -> list[dict]:
+    """Rows {impl, layout, t, lo, hi, check, note} of one case: ours on both layouts, then the peers."""
+    q, table, lens, qsl, bases, kc, vc = inputs(case)
+    rows, want = reference(case, q, kc, vc, table, qsl)
+    max_q, max_k = max(case.q_lens), max(case.seq_lens)
+    views = {Layout.PER_LAYER: (kc, vc, "")}
+    out: list[dict] = []
+    try:  # the same values in the last layer of a contiguous cache
+        layers = bc.layers_for(Layout.CONTIGUOUS, table.numel() * BLOCK * KV_HEADS * HEAD * 2 * 2, MEM_GB)
+        bases_c, kcc, vcc = bc.kv_cache(Layout.CONTIGUOUS, table.numel(), layers, DEV)
+        kcc.copy_(kc)
+        vcc.copy_(vc)
+        views[Layout.CONTIGUOUS] = (kcc, vcc, f"{layers} layers, block stride {kcc.stride(0) * 2 // 1024} KiB")
+    except Exception as exc:
+        out.append({"impl": "ours", "layout": "contiguous", "check": "ERROR", "note": bc.err_text(exc)})
+
+    def ours(k, v):
+        return lambda: paged_attention(q, k, v, table, lens, qsl, max_query_len=max_q, max_seq_len=max_k,
+                                       scale=HEAD**-0.5)
+
+    # the peers on contiguous views come last: a fault there cannot cost the other rows
+    order = [("ours", lay) for lay in views] + [(p, lay) for lay in views for p in peers]
+    for impl, layout in order:
+        peer = peers.get(impl)
+        row = {"impl": impl, "layout": LAYOUTS[layout]}
+        if isinstance(peer, Exception):
+            if layout is Layout.PER_LAYER:
+                out.append(row | {"layout": "-", "check": f"absent: {bc.err_text(peer)[:100]}", "note": ""})
+            continue
+        k, v, note = views[layout]
+        try:
+            fn = ours(k, v) if impl == "ours" else bc.peer_call(impl, peer, q, k, v, table, lens, qsl, max_q, max_k)
+            res = measure(fn, rows, want, f"{impl} {row['layout']} {case.name}")
+            res["note"] = "; ".join(x for x in (note, res["note"]) if x)
+            out.append(row | res)
+        except Exception as exc:  # a failing implementation is its row, not the end of the run
+            out.append(row | {"check": "ERROR", "note": bc.err_text(exc)})
+        fn = None
+        bc.free_memory(DEV)
+    return out
+
+
+def sdpa_row(case: Case, sdpa: dict) -> dict:
+    row = {"impl": "SDPA dense (peer)", "layout": "gathered"}
+    if case.kind not in SDPA_KINDS:
+        return row | {"layout": "-", "check": "-", "note": "dense SDPA only for the decode and prefill cases"}
+    if "error" in sdpa:
+        return row | {"check": "ERROR", "note": sdpa["error"]}
+    return row | sdpa.get(case.name, {"check": "ERROR", "note": "no result from the SDPA process"})
+
+
+# -- tables --------------------------------------------------------------------------------------
+def tables(results: list[tuple[Case, list[dict]]]) -> tuple[bc.Table, bc.Table]:
+    tab = bc.Table(f"Paged attention and its peers: bf16, {Q_HEADS} query / {KV_HEADS} KV heads, head {HEAD}, block "
+                f"{BLOCK}, causal", ["row", "impl", "layout", "time us (median of 3)", "spread us", "TB/s or TFLOP/s",
+                                     "FA3 time / this time", "vLLM Triton time / this time", "check vs fp64", "note"])
+    tab.notes.append("time: do_bench (median) of a CUDA-graph replay, 3 fresh captures; spread: their min-max. "
+                     "Ratios use the peers' per-layer times: above 1, this row is faster.")
+    summ = bc.Table("Summary", ["row", "ours best layout", "ours best / FA3 (time)", "ours best / vLLM Triton (time)",
+                             "ours contiguous vs per-layer (time)"])
+    summ.notes.append("below 1: ours is faster; contiguous vs per-layer: + is slower on the contiguous layout.")
+    for case, rows in results:
+        per = {(r["impl"], r["layout"]): r.get("t") for r in rows}
+        fa3, vl = per.get((FA3, "per-layer")), per.get((VLLM, "per-layer"))
+        work, unit = case.work()
+        for r in rows:
+            t = r.get("t")
+            tab.add(case.name, r["impl"], r["layout"], t, f"{r['lo']:.1f}-{r['hi']:.1f}" if t else None,
+                    f"{work / t / 1e6:.2f} {unit}" if t else None, fa3 / t if t and fa3 else None,
+                    vl / t if t and vl else None, r["check"], r.get("note") or "")
+        mine = {lay: per.get(("ours", lay)) for lay in ("per-layer", "contiguous")}
+        best = min((t, lay) for lay, t in mine.items() if t) if any(mine.values()) else (None, "-")
+        pc, cc = mine["per-layer"], mine["contiguous"]
+        summ.add(case.name, best[1], best[0] / fa3 if best[0] and fa3 else None,
+                 best[0] / vl if best[0] and vl else None, f"{100 * (cc / pc - 1):+.1f} %" if pc and cc else None)
+    return tab, summ
+
+
+def main() -> int:
+    t_start = time.time()
+    only = [x for x in ARGS.only.split(",") if x]
+    unknown = sorted(set(only) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"--only: unknown kinds {unknown}; choose from {','.join(KINDS)}")
+    kinds = [k for k in KINDS if not only or k in only]
+    cases = make_cases(kinds)
+    if ARGS.sdpa_only:
+        res = {}
+        for case in cases:
+            if case.kind in SDPA_KINDS:
+                try:
+                    res[case.name] = sdpa_case(case)
+                except Exception as exc:
+                    res[case.name] = {"check": "ERROR", "note": bc.err_text(exc)}
+                bc.free_memory(DEV)
+        if "vllm" in sys.modules:  # the point of this process
+            raise SystemExit("vLLM was imported in the SDPA process")
+        Path(ARGS.json).write_text(json.dumps(res))
+        return 0
+    env = bc.environment(DEV)
+    sdpa_kinds = [k for k in kinds if k in SDPA_KINDS]
+    sdpa = sdpa_child(sdpa_kinds) if sdpa_kinds else {}  # before vLLM is imported here
+    peers = bc.vllm_peers() if GPU else {p: RuntimeError("no GPU (CPU run)") for p in (VLLM, FA3)}
+    results = []
+    for case in cases:
+        rows = run_case(case, peers) + [sdpa_row(case, sdpa)]
+        results.append((case, rows))
+        print(f"{case.name}: " + "; ".join(f"{r['impl']} {r['layout']} " + (f"{r['t']:.1f} us" if r.get("t") else
+                                                                                 r["check"]) for r in rows), flush=True)
+        bc.free_memory(DEV)
+    ours_bad = [f"{c.name} {r['layout']}: {r['check']}" for c, rows in results for r in rows
+                if r["impl"] == "ours" and not r["check"].startswith("ok")]
+    slug = bc.gpu_slug(DEV)
+    lines = [f"- wall time: {time.time() - t_start:.0f} s",
+             f"- correctness, ours: {'all checks passed' if not ours_bad else 'FAILED: ' + '; '.join(ours_bad)}",
+             f"- correctness, all: {'all checks passed' if not bc.FAILED_CHECKS else '; '.join(bc.FAILED_CHECKS)}",
+             "", "Formulas and method: the docstring of benchmarks/bench_peers.py (bytes = K+V read once + q/out; "
+             "prefill FLOPs = 4*H*D*n(n+1)/2 causal).", ""]
+    stem = f"peers_{slug}" + ("_" + "_".join(kinds) if only else "")
+    bc.write_report(ARGS.out, stem, f"Paged attention against its peers ({slug})", env, lines, list(tables(results)))
+    return 1 if ours_bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
