@@ -180,7 +180,16 @@ void bind_allocators(py::module_& m) {
         if (!r) return py::none();
         return to_pylist(*r);
       }, py::arg("n"))
-      .def("free", [](BlockPool& bp, py::handle ids) { bp.free(int_list(ids, "ids")); }, py::arg("ids"))
+      .def("free", [](BlockPool& bp, py::handle ids) { bp.free(int_list(ids, "ids")); }, py::arg("ids"),
+           "Give back allocated or pending blocks; ValueError (nothing freed) for a bad, free or repeated id.")
+      .def("free_keeping_pages", [](BlockPool& bp, py::handle ids) {
+        return to_pylist(bp.free_keeping_pages(int_list(ids, "ids")));
+      }, py::arg("ids"),
+           "Free the ids whose page keeps a live (allocated, not pending) block after this call, so no page is "
+           "unmapped; mark the others pending and return them in input order: they stay allocated until free() "
+           "gives them back. Validates like free (pending ids count as freed already).")
+      .def("cancel_pending", [](BlockPool& bp, py::handle ids) { bp.cancel_pending(int_list(ids, "ids")); },
+           py::arg("ids"), "Pending blocks back to allocated; ValueError (nothing changed) for an id not pending.")
       .def("available", &BlockPool::available)
       .def("num_allocated", &BlockPool::num_allocated)
       .def("is_allocated", [](const BlockPool& bp, py::object id) { return bp.is_allocated(py_int(id, "id")); },

@@ -32,6 +32,11 @@ class Lock {
   std::unique_lock<std::mutex> lk_;
 };
 
+// allocated_ states. A pending block was freed by free_keeping_pages but may still be read by
+// device work: it stays allocated, its page stays held, until free() gives it back.
+constexpr uint8_t kFree = 0, kAllocated = 1, kPending = 2;
+constexpr uint8_t kInCall = 0x80;  // set on the ids of the call under validation
+
 }  // namespace
 
 BlockPool::BlockPool(std::shared_ptr<PageAllocator> pa, int64_t blocks_per_page, int64_t num_blocks)
@@ -49,6 +54,8 @@ BlockPool::BlockPool(std::shared_ptr<PageAllocator> pa, int64_t blocks_per_page,
   }
   allocated_.assign(num_blocks, 0);
   used_.assign(pool_pages_, -1);
+  pending_.assign(pool_pages_, 0);
+  call_count_.assign(pool_pages_, 0);
   stack_.resize(pool_pages_);
 }
 
@@ -129,7 +136,7 @@ std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
     while (!st.empty() && static_cast<int64_t>(out.size()) < n) {
       int64_t id = p * bpp_ + st.back();
       st.pop_back();
-      allocated_[id] = 1;
+      allocated_[id] = kAllocated;
       used_[p]++;
       out.push_back(id);
     }
@@ -140,40 +147,55 @@ std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
   return out;
 }
 
-void BlockPool::free(const std::vector<int64_t>& ids) {
-  if (ids.empty()) return;
-  Lock lock(mu_);
-  // Validate everything first so that a bad id leaves the pool as it was.
+// Validates every id before anything changes, so that a bad id leaves the pool as it was;
+// the ids of the call keep kInCall until the caller has applied them.
+void BlockPool::mark_call(const std::vector<int64_t>& ids, Accept accept, const char* what) {
   size_t i = 0;
-  std::string err;
+  const char* why = nullptr;
   for (; i < ids.size(); ++i) {
     int64_t id = ids[i];
     if (id < 0 || id >= num_blocks_) {
-      err = "free: block id " + std::to_string(id) + " out of range [0, " + std::to_string(num_blocks_) + ")";
+      why = "out of range";
       break;
     }
-    if (allocated_[id] == 2) {
-      err = "free: block id " + std::to_string(id) + " appears twice in one call";
-      break;
+    uint8_t s = allocated_[id];
+    if (s & kInCall) {
+      why = "appears twice in one call";
+    } else if (accept == Accept::Pending && s != kPending) {
+      why = "is not pending";
+    } else if (s == kFree) {
+      why = "is not allocated (double free?)";
+    } else if (s == kPending && accept == Accept::Allocated) {
+      why = "was freed already and waits for the device (double free?)";
     }
-    if (allocated_[id] != 1) {
-      err = "free: block id " + std::to_string(id) + " is not allocated (double free?)";
-      break;
-    }
-    allocated_[id] = 2;
+    if (why) break;
+    allocated_[id] = s | kInCall;
   }
-  if (!err.empty()) {
-    for (size_t j = 0; j < i; ++j) allocated_[ids[j]] = 1;
-    throw_value(err + "; nothing was freed.");
-  }
+  if (!why) return;
+  for (size_t j = 0; j < i; ++j) allocated_[ids[j]] &= static_cast<uint8_t>(~kInCall);
+  std::string err = std::string(what) + ": block id " + std::to_string(ids[i]) + " " + why;
+  if (ids[i] < 0 || ids[i] >= num_blocks_) err += " [0, " + std::to_string(num_blocks_) + ")";
+  throw_value(err + (accept == Accept::Pending ? "; nothing was changed." : "; nothing was freed."));
+}
+
+// Puts one marked block back on its page's free stack; true if that left the page empty.
+bool BlockPool::push_free(int64_t id) {
+  int64_t p = id / bpp_;
+  if (allocated_[id] == (kPending | kInCall)) pending_[p]--;
+  allocated_[id] = kFree;
+  auto& st = stack_[p];
+  if (st.empty()) partial_.insert(p);
+  st.push_back(static_cast<int32_t>(id - p * bpp_));
+  return --used_[p] == 0;
+}
+
+void BlockPool::free(const std::vector<int64_t>& ids) {
+  if (ids.empty()) return;
+  Lock lock(mu_);
+  mark_call(ids, Accept::AllocatedOrPending, "free");
   std::vector<int64_t> empty;
   for (int64_t id : ids) {
-    allocated_[id] = 0;
-    int64_t p = id / bpp_;
-    auto& st = stack_[p];
-    if (st.empty()) partial_.insert(p);
-    st.push_back(static_cast<int32_t>(id - p * bpp_));
-    if (--used_[p] == 0) empty.push_back(p);
+    if (push_free(id)) empty.push_back(id / bpp_);
   }
   free_held_.fetch_add(static_cast<int64_t>(ids.size()), std::memory_order_relaxed);
   num_allocated_.fetch_sub(static_cast<int64_t>(ids.size()), std::memory_order_relaxed);
@@ -190,6 +212,48 @@ void BlockPool::free(const std::vector<int64_t>& ids) {
   give_pages(empty);
 }
 
+std::vector<int64_t> BlockPool::free_keeping_pages(const std::vector<int64_t>& ids) {
+  std::vector<int64_t> later;
+  if (ids.empty()) return later;
+  Lock lock(mu_);
+  mark_call(ids, Accept::Allocated, "free_keeping_pages");
+  for (int64_t id : ids) call_count_[id / bpp_]++;
+  // Decided per page for the whole call before anything changes. Pending blocks do not keep a
+  // page here: their release may unmap it as soon as their own (earlier) device work is done,
+  // which says nothing of the work launched since on a block freed now.
+  std::vector<uint8_t> now(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    int64_t p = ids[i] / bpp_;
+    now[i] = used_[p] - pending_[p] - call_count_[p] > 0;
+  }
+  int64_t freed = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    int64_t id = ids[i], p = id / bpp_;
+    call_count_[p] = 0;
+    if (now[i]) {
+      push_free(id);  // never empties the page: a live block stays
+      ++freed;
+    } else {
+      allocated_[id] = kPending;
+      pending_[p]++;
+      later.push_back(id);
+    }
+  }
+  free_held_.fetch_add(freed, std::memory_order_relaxed);
+  num_allocated_.fetch_sub(freed, std::memory_order_relaxed);
+  return later;
+}
+
+void BlockPool::cancel_pending(const std::vector<int64_t>& ids) {
+  if (ids.empty()) return;
+  Lock lock(mu_);
+  mark_call(ids, Accept::Pending, "cancel_pending");
+  for (int64_t id : ids) {
+    allocated_[id] = kAllocated;
+    pending_[id / bpp_]--;
+  }
+}
+
 int64_t BlockPool::available() const {
   int64_t held = free_held_.load(std::memory_order_relaxed);
   int64_t more = pa_->obtainable_pages() * bpp_;
@@ -201,7 +265,7 @@ bool BlockPool::is_allocated(int64_t id) const {
   if (id < 0 || id >= num_blocks_) {
     throw_value("block id " + std::to_string(id) + " out of range [0, " + std::to_string(num_blocks_) + ").");
   }
-  return allocated_[id] != 0;
+  return allocated_[id] != kFree;
 }
 
 }  // namespace kvc

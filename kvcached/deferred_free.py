@@ -9,6 +9,15 @@ on, and the blocks go back to the pool once the event has completed: a waiter th
 sleeps on the event (a blocking-sync event, so it does not spin) and releases them, and
 the pool's own calls release whatever has completed. No device-wide sync on the hot path,
 and an engine that goes idle still gives its memory back.
+
+Only a free that could unmap a page waits. Reusing a block needs no help from kvcached:
+the engine writes a reused block in stream order, after the reads it launched before the
+free, as vLLM does without kvcached. So ``KVCacheManager.free`` gives a block back at once
+when its page keeps a live block (``BlockPool.free_keeping_pages``: no event, no wake-up)
+and queues here only the blocks that would leave their page without one. Those stay
+pending in the pool, and a pending block does not keep its page for later frees: its
+event covers only the work launched before its own free, not the work on a block freed
+since, so such a block waits as well, behind it in this queue, which releases in order.
 """
 
 from __future__ import annotations

@@ -40,6 +40,15 @@ def _locked(lock: threading.RLock, fn: Callable[..., Any]) -> Callable[..., Any]
     return wrapper
 
 
+def _read_once(indices: Iterable[int]) -> list[int] | tuple[int, ...]:
+    """``free``'s ids as a list or tuple (an iterator is consumed here, once)."""
+    if isinstance(indices, (list, tuple)):
+        return indices
+    if not hasattr(indices, "__iter__"):
+        raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
+    return list(indices)
+
+
 class KVCacheManager:
     """Hands out KV block ids of one KV-cache group; maps pages under them as needed.
 
@@ -271,8 +280,10 @@ class KVCacheManager:
     def free(self, indices: Iterable[int]) -> None:
         """Give blocks back; ValueError (nothing freed) for an unknown, reserved or already free id.
 
-        With deferred freeing the blocks return to the pool once the device work launched
-        so far has run; until then they count as allocated (:attr:`pending_free_blocks`).
+        With deferred freeing, a block whose page keeps a live block returns at once (no
+        page can be unmapped under the device's work); the others return once the device
+        work launched so far has run, counting as allocated until then
+        (:attr:`pending_free_blocks`).
         """
         pool = self._pool or self._bind()
         if self._reserved or self.null_block is not None:
@@ -280,14 +291,36 @@ class KVCacheManager:
         if self._deferred is None:
             pool.free(indices)
             return
-        ids = list(indices)
+        ids = _read_once(indices)
+        # The engine reuses a block in stream order, as it does without kvcached: only an
+        # unmap can hurt work still queued, so only the blocks that would empty a page wait.
+        try:
+            later = pool.free_keeping_pages(ids)  # all-or-nothing: a pending id counts as freed
+        except ValueError as exc:
+            refused = exc
+        else:
+            refused = None
+        if refused is not None:  # checked here only now, off the fast path; outside the except: no chain
+            self._check_deferred_ids(pool, ids)
+            raise refused
+        if not later:
+            return
+        try:
+            self._deferred.add(later)
+        except BaseException:
+            # No event to wait for (a broken device context): these stay allocated, so a later
+            # free of them can still work; the blocks freed at once are back already.
+            pool.cancel_pending(later)
+            raise
+        self._deferred.drain()
+
+    def _check_deferred_ids(self, pool: Any, ids: list[int] | tuple[int, ...]) -> None:
+        """The manager's own message for ids the pool refused (a pending id, a repeated one...)."""
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not pool.is_allocated(i) or i in self._deferred:
                 raise ValueError(f"free: block {i!r} is not an allocated block id (double free?); nothing was freed.")
         if len(set(ids)) != len(ids):
             raise ValueError("free: a block id appears twice in one call; nothing was freed.")
-        self._deferred.add(ids)
-        self._deferred.drain()
 
     def _drain_deferred(self) -> None:
         """Give back what the device has finished with (no lock taken while nothing is pending)."""
@@ -295,21 +328,19 @@ class KVCacheManager:
             self._deferred.drain()
 
     def _release(self, ids: list[int]) -> None:
-        pool = self._pool
+        pool = self._pool  # free() takes the pending blocks that free_keeping_pages left
         if pool is not None:
             pool.free(ids)
 
     @property
     def pending_free_blocks(self) -> int:
-        """Blocks freed but held until the device work that may read them has run."""
+        """Blocks freed but held until the device work that may read them has run (those
+        whose free would have emptied a page)."""
         return 0 if self._deferred is None else len(self._deferred)
 
     def _check_freeable(self, indices: Iterable[int]) -> list[int] | tuple[int, ...]:
         """The ids, read once: an iterator checked here would reach the pool empty."""
-        if not isinstance(indices, (list, tuple)):
-            if not hasattr(indices, "__iter__"):
-                raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
-            indices = list(indices)
+        indices = _read_once(indices)
         if self.null_block is not None and 0 in indices:
             raise ValueError("block 0 is the null block reserved for padding; it cannot be freed.")
         if self._reserved:

@@ -11,6 +11,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvcached import errors
 from kvcached.layout import KVGeometry, KVSpec, Layout
@@ -634,6 +636,142 @@ def test_block_pool_random_against_model():
         used_pages = {i // 5 for i in live}
         assert pa.num_in_use == len(used_pages) == pool.num_held_pages
         assert pa.num_reserved <= 1
+
+
+# -- free_keeping_pages: free what leaves its page a live block, mark the rest pending ---------
+def test_free_keeping_pages_frees_what_keeps_a_page():
+    b, vt, pa, pool = make_pool()  # 4 blocks per page
+    assert pool.alloc(6) == list(range(6))  # page 0: 0-3, page 1: 4 and 5
+    assert pool.free_keeping_pages([1, 4]) == []  # 0, 2, 3 and 5 keep both pages
+    assert pool.num_allocated() == 4 and not pool.is_allocated(1) and not pool.is_allocated(4)
+    assert pool.free_keeping_pages([5, 0]) == [5]  # 5 would empty page 1; 2 and 3 keep page 0
+    assert pool.is_allocated(5) and not pool.is_allocated(0)  # pending: still allocated
+    assert pool.num_allocated() == 3 and pa.num_in_use == 2 and pool.available() == 13
+    pool.free([5])  # the caller's deferred release
+    assert pa.num_in_use == 1 and pool.num_allocated() == 2
+    assert pool.alloc(1) == [0]  # a block freed at once is reused at once
+
+
+def test_free_keeping_pages_whole_page_in_one_call():
+    b, vt, pa, pool = make_pool()
+    pool.alloc(6)
+    pool.free([4, 5])
+    assert pool.free_keeping_pages([3, 0, 2, 1]) == [3, 0, 2, 1]  # page 0's last live blocks: input order
+    assert pool.num_allocated() == 4 and pa.num_in_use == 1
+    pool.free([0, 1])
+    assert pa.num_in_use == 1  # 2 and 3 still pending
+    pool.free([3, 2])
+    assert pa.num_in_use == 0 and pool.num_allocated() == 0 and pool.available() == 16
+
+
+def test_pending_blocks_do_not_keep_their_page():
+    # A pending block's release may unmap its page once its own device work is done; a block
+    # freed later on that page may be read by work launched since, so it waits as well.
+    b, vt, pa, pool = make_pool()
+    x = pool.alloc(1)
+    assert pool.free_keeping_pages(x) == x
+    y = pool.alloc(1)
+    assert y[0] // 4 == x[0] // 4  # the pending block keeps the page held
+    assert pool.free_keeping_pages(y) == y
+    z = pool.alloc(2)
+    assert pool.free_keeping_pages(z[:1]) == []  # z[1] is live
+    pool.free(x + y)
+    assert pa.num_in_use == 1  # z[1] keeps the page
+    assert pool.free_keeping_pages(z[1:]) == z[1:]
+
+
+def test_free_keeping_pages_bad_input_frees_nothing():
+    b, vt, pa, pool = make_pool()
+    pool.alloc(6)
+    pool.free([4])
+    assert pool.free_keeping_pages([5]) == [5]
+    for bad, match in (([0, 16], "out of range"), ([0, -1], "out of range"), ([0, 1, 0], "twice"),
+                       ([0, 4], r"4 is not allocated \(double free"),
+                       ([0, 5], r"5 was freed already and waits for the device \(double free"),
+                       ([0, 1.5], "not an int"), ([0, True], "not an int"), (None, "list of ints")):
+        with pytest.raises(ValueError, match=match) as info:
+            pool.free_keeping_pages(bad)
+        if bad is not None and all(type(i) is int for i in bad):  # others are refused while being read
+            assert str(info.value).endswith("nothing was freed.")
+        assert pool.num_allocated() == 5 and pa.num_in_use == 2
+        assert all(pool.is_allocated(i) for i in (0, 1, 2, 3, 5)) and not pool.is_allocated(4)
+    assert pool.free_keeping_pages([]) == []
+    assert pool.free_keeping_pages([0, 1, 2, 3]) == [0, 1, 2, 3]  # no id was left marked by a refused call
+
+
+def test_cancel_pending_and_free_of_pending_blocks():
+    b, vt, pa, pool = make_pool()
+    pool.alloc(2)
+    assert pool.free_keeping_pages([0, 1]) == [0, 1]
+    for bad, match in (([0, 0], "twice"), ([0, 2], "2 is not pending"), ([99], "out of range"),
+                       (["a"], "not an int")):
+        with pytest.raises(ValueError, match=match) as info:
+            pool.cancel_pending(bad)
+        assert bad == ["a"] or str(info.value).endswith("nothing was changed.")
+    pool.cancel_pending([1])
+    assert pool.free_keeping_pages([1]) == [1]  # allocated again, so freeable again
+    with pytest.raises(ValueError, match="twice"):
+        pool.free([0, 1, 0])
+    assert pool.num_allocated() == 2
+    pool.free([1, 0])  # free takes pending blocks
+    assert pool.num_allocated() == 0 and pa.num_in_use == 0
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([0])
+
+
+_POOL_OPS = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 5)),
+    st.tuples(st.sampled_from(["keep", "keep_raw", "free", "cancel"]), st.lists(st.integers(0, 9), max_size=5)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_POOL_OPS, max_size=40))
+def test_free_keeping_pages_against_a_model(ops):
+    bpp, n = 3, 10  # a short last page
+    b = host()
+    vt, pa = contiguous(b, num_pages=4)
+    pool = vmm.BlockPool(pa, bpp, n)
+    state: dict[int, str] = {}  # id -> "live" or "pending"
+    try:
+        for op, arg in ops:
+            if op == "alloc":
+                got = pool.alloc(arg)
+                if arg > n - len(state):
+                    assert got is None
+                else:
+                    assert got is not None and len(got) == arg and not set(got) & set(state)
+                    state.update(dict.fromkeys(got, "live"))
+                continue
+            want = {"keep": ("live",), "free": ("live", "pending"), "cancel": ("pending",)}.get(op)
+            ids = list(dict.fromkeys(i for i in arg if want is None or state.get(i) in want))
+            if op == "keep_raw" and (len(set(ids)) != len(ids) or any(state.get(i) != "live" for i in ids)):
+                with pytest.raises(ValueError, match="nothing was freed"):
+                    pool.free_keeping_pages(ids)
+            elif op in ("keep", "keep_raw"):
+                left = {}  # page -> live blocks after this call's frees
+                for i in state:
+                    left[i // bpp] = left.get(i // bpp, 0) + (state[i] == "live" and i not in ids)
+                expected = [i for i in ids if left[i // bpp] == 0]
+                assert pool.free_keeping_pages(ids) == expected
+                for i in ids:
+                    if i in expected:
+                        state[i] = "pending"
+                    else:
+                        del state[i]
+            elif op == "free":
+                pool.free(ids)
+                for i in ids:
+                    del state[i]
+            else:
+                pool.cancel_pending(ids)
+                state.update(dict.fromkeys(ids, "live"))
+            assert pool.num_allocated() == len(state)
+            assert pa.num_in_use == pool.num_held_pages == len({i // bpp for i in state})
+            assert [pool.is_allocated(i) for i in range(n)] == [i in state for i in range(n)]
+            assert pool.available() == n - len(state)
+    finally:
+        pa.close()
 
 
 def test_block_pool_fast_path_speed():
