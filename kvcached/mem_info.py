@@ -525,9 +525,19 @@ def publisher() -> Publisher | None:
 
 
 def _start_locked() -> Publisher:
-    global _publisher
-    if _publisher is None:
-        _publisher = Publisher(get_default_ipc_name())
+    global _publisher, _ipc_name_cache
+    for attempt in range(8):
+        if _publisher is not None:
+            break
+        name = get_default_ipc_name()
+        try:
+            _publisher = Publisher(name)
+        except KVCachedStateError:
+            # Two processes of one group (engines started together) may both find a default name free
+            # and race to create it: the loser takes the next suffix. A name the user chose stays an error.
+            if attempt == 7 or config.ipc_name_override() or not _segment_owned_by_other_live_process(name):
+                raise
+            _ipc_name_cache = None
     return _publisher
 
 

@@ -397,3 +397,32 @@ def test_a_foreign_file_locked_by_its_owner_is_refused_without_waiting(name: str
         os.close(owner)
         t.join(10)
         os.unlink(path)
+
+
+def test_a_default_name_taken_in_a_race_moves_to_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Engines started together share a process group: both may find kvcached_<engine>_<pgid> free, and the
+    # one that creates it second must take the next name instead of failing (seen with two test workers).
+    monkeypatch.delenv("KVCACHED_IPC_NAME", raising=False)
+    mem_info.stop_publisher()
+    monkeypatch.setattr(mem_info, "_ipc_name_cache", None)
+    tag = f"race{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(mem_info, "_engine_tag", lambda: tag)
+    taken = mem_info.get_default_ipc_name()
+    monkeypatch.setattr(mem_info, "_ipc_name_cache", None)
+    with mem_info._Writer(mem_info.segment_path(taken), create=True) as w:  # the other engine, alive
+        w.mm[:mem_info._BODY_OFF] = mem_info._HEADER.pack(mem_info.MAGIC, mem_info.VERSION, 0)
+        w.write([(mem_info._BODY_OFF, "<qqqqqqqq16s48s", (0, 0, 0, 0, 0, os.getppid(), 0, 0, b"", b""))])
+    real, calls = mem_info.get_default_ipc_name, []
+
+    def chosen_before_the_other_created_it() -> str:
+        calls.append(1)
+        return taken if len(calls) == 1 else real()
+
+    monkeypatch.setattr(mem_info, "get_default_ipc_name", chosen_before_the_other_created_it)
+    try:
+        pub = mem_info.start_publisher()
+        assert pub.name == taken + "_1" and mem_info.read_segment(taken).pid == os.getppid()
+    finally:
+        mem_info.stop_publisher()
+        mem_info.delete_segment(taken)
+        mem_info.delete_segment(taken + "_1")
