@@ -109,35 +109,17 @@ def decode_kernel(
         d_mask = d < head_size  # a multiple of 16: Triton specialises on it, loads stay vectorised
     else:
         d_mask = d < HEAD_PAD
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
     ctx = seq_len - q_len
     q_pos = ctx + t
     last = ctx + tl.minimum(t0 + per, q_len) - 1  # the position of this program's last token
-
-    qk_scale = sm_scale * LOG2E
-    if FP8_KV:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + NEG_BIG
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    slope = tl.zeros([BLOCK_H], dtype=tl.float32)
     lo = seq_len * 0
     if FEATURES:
-        if has_alibi != 0:
-            slope = tl.load(alibi_ptr + heads, mask=h_mask, other=0.0) * LOG2E
-        if (has_sinks != 0) & (num_splits == 1):  # with splits the merge counts the sink
-            m_i = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E
-            l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + 1.0
         if window > 0:
             lo = tl.maximum(ctx + t0 - window + 1, 0)
-    acc = tl.zeros([BLOCK_H, HEAD_PAD], dtype=tl.float32)
-
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.where(causal != 0, last + 1, seq_len)  # causal rows see nothing past the last one
-    parts = num_splits
+    # runs of this program's range: never more than its tiles (a split with no key costs a partial)
+    parts = tl.minimum(tl.cdiv(hi - lo, BLOCK_N), num_splits)
     if (num_splits > 1) & (balance > 0):
         # Uneven lengths: cut every sequence into runs of at most about the batch's keys / ``balance``
         # (one wave of programs), instead of each into num_splits equal parts (the longest would set
@@ -148,8 +130,31 @@ def decode_kernel(
             total += tl.sum(tl.load(seq_lens_ptr + bs, mask=bs < tl.num_programs(0), other=0).to(tl.int64), 0)
         per_program = tl.maximum(tl.cdiv(total * tl.num_programs(1), balance), 1)
         # up to 1/8 over the mean stays whole: a batch of equal lengths that fills the GPU keeps one run each
-        parts = tl.minimum(tl.maximum(tl.cdiv(hi - lo, per_program + per_program // 8), 1), num_splits).to(tl.int32)
-    # parts 1: span >= hi - lo, the whole range; splits past ``parts`` write an empty partial
+        parts = tl.minimum(tl.cdiv(hi - lo, per_program + per_program // 8), parts).to(tl.int32)
+    parts = tl.maximum(parts, 1)
+    if split >= parts:
+        return  # the merge takes the first ``parts`` partials only
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    qk_scale = sm_scale * LOG2E
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + NEG_BIG
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    slope = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if FEATURES:
+        if has_alibi != 0:
+            slope = tl.load(alibi_ptr + heads, mask=h_mask, other=0.0) * LOG2E
+        if (has_sinks != 0) & (num_splits == 1):  # with splits the merge counts the sink
+            m_i = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E
+            l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + 1.0
+    acc = tl.zeros([BLOCK_H, HEAD_PAD], dtype=tl.float32)
+
+    # parts 1: span >= hi - lo, the whole range
     span = tl.cdiv(tl.cdiv(hi - lo, parts), BLOCK_N) * BLOCK_N
     lo = lo + split * span
     hi = tl.minimum(lo + span, hi)
@@ -175,7 +180,8 @@ def decode_kernel(
             mask=h_mask[:, None] & d_mask[None, :],
         )
     else:
-        # part_ptr: outputs [num_seqs, qmax, num_heads, num_splits, HEAD_PAD], then (max, sum) [..., 2]
+        # part_ptr: outputs [num_seqs, qmax, num_heads, num_splits, HEAD_PAD], then (max, sum) [..., 2], then
+        # how many partials each (token row, head) has [num_seqs, qmax, num_heads] (for reduce_kernel)
         num_heads = tl.num_programs(1) // (chunks * tblocks) * group
         rows_total = tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits
         part_ml_ptr = part_ptr + rows_total * HEAD_PAD
@@ -184,6 +190,9 @@ def decode_kernel(
         tl.store(part_ptr + row[:, None] * HEAD_PAD + d[None, :], acc, mask=h_mask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_mask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_mask)
+        if split == 0:
+            tl.store(part_ml_ptr + rows_total * 2 + prow * num_heads + heads, (heads * 0 + parts).to(tl.float32),
+                     mask=h_mask)
         if fused != 0:
             # The last program of this (sequence, KV head, chunk) to finish merges every split: one
             # launch instead of two (host launch time dominates small batches). The counter is put
@@ -191,22 +200,23 @@ def decode_kernel(
             tl.debug_barrier()  # every thread's partial stores precede the release below
             lock = lock_ptr + seq * tl.num_programs(1) + slot
             ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
+            if ticket == parts - 1:
                 tl.debug_barrier()
                 heads_here = tl.minimum(hc, group - h0)
                 for i in range(0, tl.minimum(per, q_len - t0) * heads_here):
                     ti = t0 + i // heads_here
                     merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + ti, seq.to(tl.int64) * qmax + ti,
-                                 kv_head * group + h0 + i % heads_here, num_heads, num_splits, has_sinks, head_size,
+                                 kv_head * group + h0 + i % heads_here, num_heads, num_splits, parts, has_sinks,
+                                 head_size,
                                  stride_ot, stride_oh, HEAD_PAD)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, prow, head, num_heads, num_splits, has_sinks,
-                 head_size, stride_ot, stride_oh, HEAD_PAD: tl.constexpr):
-    """Merge the ``num_splits`` partials of (token row ``prow`` of the workspace, ``head``) into ``out`` row
-    ``out_row`` (online, a chunk of splits at a time)."""
+def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, prow, head, num_heads, num_splits, count,
+                 has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD: tl.constexpr):
+    """Merge the first ``count`` of the ``num_splits`` partial slots of (token row ``prow`` of the workspace,
+    ``head``) into ``out`` row ``out_row`` (online, a chunk of splits at a time)."""
     # splits per load: at most 4k fp32 values (32 registers a thread at 4 warps)
     CHUNK: tl.constexpr = max(2, min(32, 4096 // HEAD_PAD))
     c = tl.arange(0, CHUNK)
@@ -216,9 +226,9 @@ def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, prow, head,
     m_run = tl.max(tl.zeros([CHUNK], dtype=tl.float32) + NEG_BIG, 0)
     l_run = tl.sum(tl.zeros([CHUNK], dtype=tl.float32), 0)
     acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
-    for c0 in range(0, num_splits, CHUNK):
+    for c0 in range(0, count, CHUNK):
         cs = c0 + c
-        c_mask = cs < num_splits
+        c_mask = cs < count
         # .cg: partials written by other programs of this launch, never from this SM's L1
         mc = tl.load(part_ml_ptr + (base + cs) * 2, mask=c_mask, other=NEG_BIG, cache_modifier=".cg")
         lc = tl.load(part_ml_ptr + (base + cs) * 2 + 1, mask=c_mask, other=0.0, cache_modifier=".cg")
@@ -267,9 +277,12 @@ def reduce_kernel(
         return
     num_heads = tl.num_programs(1)
     qmax = tl.num_programs(2)
-    part_ml_ptr = part_ptr + tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits * HEAD_PAD
-    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + t, seq.to(tl.int64) * qmax + t, head, num_heads,
-                 num_splits, has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD)
+    rows_total = tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits
+    part_ml_ptr = part_ptr + rows_total * HEAD_PAD
+    prow = seq.to(tl.int64) * qmax + t
+    count = tl.load(part_ml_ptr + rows_total * 2 + prow * num_heads + head).to(tl.int32)
+    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + t, prow, head, num_heads, num_splits, count,
+                 has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD)
 
 
 # ints Triton specialises as multiples of 16 at run time (every supported head size is one);

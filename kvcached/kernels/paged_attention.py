@@ -330,8 +330,9 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
                   big_smem=cfg.large_shared_memory(dev_index), interp=interp)
     lock = dummy
     if num_splits > 1:
-        # one workspace: [num_seqs, qmax, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs
-        part = torch.empty(num_seqs * qmax * num_heads * num_splits * (head_pad + 2), dtype=torch.float32,
+        # one workspace: [num_seqs, qmax, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs, then
+        # the partials each (token row, head) has
+        part = torch.empty(num_seqs * qmax * num_heads * (num_splits * (head_pad + 2) + 1), dtype=torch.float32,
                            device=dev)
         if fused:
             lock = _lock_buffer(dev, num_seqs * num_kv_heads * chunks * tblocks)
