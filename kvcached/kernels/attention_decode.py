@@ -9,10 +9,12 @@ draft tokens, the tail of a chunked prefill) with all of its tokens times the gr
 instead of once per 128-row prefill tile per head. Rows are causal: token ``t`` of a
 ``q_len``-token query sits at ``seq_len - q_len + t``. The split
 count is a run-time value: with ``num_splits`` 1 the program writes the output; with
-more, the context is cut in ``num_splits`` runs of whole ``BLOCK_N`` tiles and each
-program writes its running max, sum and unnormalised output (fp32); the merge (which
-alone counts the sink logit) is done either by the last program of each (sequence,
-KV head, head chunk) to finish, found with a self-resetting atomic counter
+more, the context is cut in up to ``num_splits`` runs of whole ``BLOCK_N`` tiles (with
+``balance``, runs of about the batch's mean share of keys, so a long sequence takes
+more programs than a short one) and each program with a run writes its running max,
+sum and unnormalised output (fp32), the others return at once; the merge (which alone
+counts the sink logit) takes the runs a row has, done either by the last program of each
+(sequence, KV head, head chunk) to finish, found with a self-resetting atomic counter
 (``fused`` 1: one launch), or by ``reduce_kernel`` (a second launch). Group size,
 block size, split count and every feature are run-time values, and so is the head
 size within its power-of-two tile (80 and 96 share the 128 tile, ``PAD_D``), so one
