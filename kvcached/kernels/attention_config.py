@@ -91,11 +91,11 @@ def decode_tile(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> Dec
 def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: bool, hopper: bool = False) -> int:
     """Warps of a decode program with ``rows`` query rows (16: single tokens; 64: short queries).
 
-    H200, bf16 32/8 heads d128, 64 x 8k, graph replay: the 64-row tile took 1191 us at 8 warps and
-    660 at 4 (one warpgroup holds all 64 rows, so Hopper's wgmma takes the dots). Elsewhere 64 rows of
-    a 128- or 256-wide head spill at 4 warps (compile check: gfx942 8 registers at d128, 26 at d256;
-    sm80 72 bytes of stack at d128; sm90 208 at d256), so 8 there. The 16-row tile's warps are
-    :func:`decode_tile`'s. ``override(short_num_warps=)`` sets them.
+    H200, bf16 32/8 heads d128, 64 x 8k, graph replay (decode_knobs_h200.md, run A): the 64-row tile
+    took 1191 us at 8 warps and 660 at 4 (one warpgroup holds all 64 rows, so Hopper's wgmma takes the
+    dots). Elsewhere 64 rows of a 128- or 256-wide head spill at 4 warps (compile check: gfx942 8
+    registers at d128, 26 at d256; sm80 72 bytes of stack at d128; sm90 208 at d256), so 8 there. The
+    16-row tile's warps are :func:`decode_tile`'s. ``override(short_num_warps=)`` sets them.
     """
     if rows <= 16:
         return decode_tile(head_pad, kv_itemsize, hip, interp).num_warps
@@ -145,9 +145,10 @@ def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip:
     if waves > 0 and programs < slots * waves:
         # The kernel cuts each sequence into runs of about (the batch's keys / (slots x waves)) keys; the
         # grid has room for a sequence 4x the mean length, and shorter ones leave their splits empty.
-        # H200, bf16 d128, graph replay, 64 sequences of 256-16k keys: 756 us in equal splits (waves 0),
-        # 626 at 2 waves, 600 at 4; but 64 x 8k took 497 / 517 / 522 and 8 x 8k 83 / 93 / 105 (more,
-        # shorter programs): hence one wave, runs of up to 1/8 over the mean left whole.
+        # H200, bf16 d128, graph replay (benchmarks/results/decode_knobs_h200.md, run D), waves 0 / 1 / 2:
+        # 64 sequences of 256-16k keys 756 / 719 / 614 us, 8 of them 105 / 95 / 87; but 64 x 8k 508 / 519 /
+        # 521 and 8 x 8k 85 / 85 / 93 (more, shorter programs): hence one wave, runs of up to 1/8 over the
+        # mean left whole.
         splits = max(1, min(triton.cdiv(4 * slots * waves, max(programs, 1)), by_len, 128))
         return splits, (slots * waves if splits > 1 else 0)
     # floor, not ceil: one program past a full wave costs a whole extra wave (H200, batch 8 x 8k:
@@ -168,8 +169,8 @@ def decode_base(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> Dec
     block_n = 64 if head_pad <= 128 else 32
     if kv_itemsize == 1 and head_pad <= 128:
         block_n = 128
-    # H200, bf16 d128, 64 x 8k: 4 warps took 674 us (164 registers with causal rows: 3 programs an SM),
-    # 2 warps 496 (242 registers, 4 an SM)
+    # H200, bf16 d128, 64 x 8k (decode_knobs_h200.md, run A): 4 warps took 674 us (164 registers with
+    # causal rows: 3 programs an SM), 2 warps 496 (242 registers, 4 an SM)
     warps = 2 if head_pad <= 128 and kv_itemsize == 2 else 4
     return DecodeConfig(block_n=block_n, num_warps=warps, num_stages=3 if head_pad <= 128 else 2, num_splits=1)
 

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Time the decode / short-query kernel under launch-knob overrides (graph replay, do_bench median).
+
+    python benchmarks/sweep_decode.py --cases 64x8192x1,64xux1 --sweep '[{}, {"split_waves": 0}]'
+    python benchmarks/sweep_decode.py --root OLD_CHECKOUT --tag old     # another kvcached, for an A/B
+
+A case is ``BxCxQ``: B sequences of C context keys (``u``: uniform draws from 256..16384,
+fixed seed) with Q new tokens each; bf16, 32 query / 8 KV heads, head 128, block 16,
+block tables from randperm. ``--sweep`` is a JSON list of ``attention_config.override``
+knob sets. Each line printed: the case, the knobs, graph time (us), TB/s (K+V read once +
+q/out), and the largest error of the first two sequences against float64. Ends with the
+register / spill / shared-memory use of every decode kernel compiled (GPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ap.add_argument("--root", default=".", help="the kvcached checkout to import (for an A/B against another)")
+ap.add_argument("--tag", default="head", help="label of the printed lines")
+ap.add_argument("--cases", default="64x8192x1", help="comma-separated BxCxQ")
+ap.add_argument("--sweep", default="[{}]", help="JSON list of override knob sets")
+ARGS = ap.parse_args()
+sys.path.insert(0, os.path.abspath(ARGS.root))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from _bench_common import graph_time_us, time_us  # noqa: E402
+
+import kvcached  # noqa: E402
+
+pa = importlib.import_module("kvcached.kernels.paged_attention")  # the package re-exports a function of this name
+cfg = importlib.import_module("kvcached.kernels.attention_config")
+ref = importlib.import_module("kvcached.kernels.reference")
+H, KH, D, BS = 32, 8, 128, 16
+
+
+def run_case(case: str, sweep: list[dict], dev: torch.device) -> None:
+    b, c, n = case.split("x")
+    b, n = int(b), int(n)
+    gen = torch.Generator().manual_seed(1)
+    lens_l = torch.randint(256, 16385, (b,), generator=gen).tolist() if c == "u" else [int(c)] * b
+    mx = max(lens_l)
+    nb = mx // BS + 1
+    torch.manual_seed(0)
+    kc = torch.randn(b * nb, BS, KH, D, dtype=torch.bfloat16, device=dev)
+    vc = torch.randn(b * nb, BS, KH, D, dtype=torch.bfloat16, device=dev)
+    table = torch.randperm(b * nb, device=dev).to(torch.int32).view(b, nb)
+    lens = torch.tensor(lens_l, dtype=torch.int32, device=dev)
+    qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * n
+    q = torch.randn(b * n, H, D, dtype=torch.bfloat16, device=dev)
+    k = min(b, 2)
+    want = ref.paged_attention_ref(q[: k * n], kc, vc, table[:k], lens[:k], qsl[: k + 1], scale=D**-0.5).double()
+    moved = sum(lens_l) * KH * D * 4 + b * n * H * D * 4
+
+    def fn():
+        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=mx, scale=D**-0.5)
+
+    for knobs in sweep:
+        try:
+            with cfg.override(**knobs):
+                err = (fn()[: k * n].double() - want).abs().max().item()
+                t = graph_time_us(fn, dev) or time_us(fn, dev)
+            print(f"RESULT {ARGS.tag} {case} ov={knobs} graph_us={t:.1f} TB/s={moved / t / 1e6:.2f} err={err:.1e}",
+                  flush=True)
+        except Exception as exc:  # a knob set that does not compile or launch is a line, not the end
+            print(f"RESULT {ARGS.tag} {case} ov={knobs} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
+def main() -> None:
+    print("kvcached from", kvcached.__file__, flush=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sweep = json.loads(ARGS.sweep)
+    for case in ARGS.cases.split(","):
+        run_case(case, sweep, dev)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    regs = []
+    for cache in getattr(pa.decode_kernel, "device_caches", {}).values():
+        regs += [(c.n_regs, c.n_spills, c.metadata.shared, c.metadata.num_warps) for c in cache[0].values()]
+    print("REGS (registers, spills, shared bytes, warps)", ARGS.tag, regs)
+
+
+if __name__ == "__main__":
+    main()
