@@ -120,7 +120,8 @@ def decode_kernel(
             lo = tl.maximum(ctx + t0 - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.where(causal != 0, last + 1, seq_len)  # causal rows see nothing past the last one
-    # runs of this program's range: never more than its tiles (a split with no key costs a partial)
+    # runs of this program's range, never more than its tiles (the last may still fall past the end: an
+    # empty run writes a neutral partial); splits past ``parts`` return below and write nothing
     parts = tl.minimum(tl.cdiv(hi - lo, BLOCK_N), num_splits)
     if (num_splits > 1) & (balance > 0):
         # Uneven lengths: cut every sequence into runs of at most about the batch's keys / ``balance``
