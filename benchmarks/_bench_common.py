@@ -153,6 +153,7 @@ def write_report(out_dir: str | Path, stem: str, title: str, env: dict[str, str]
     print(text)
     print(f"wrote {out / f'{stem}.md'}")
 
+
 def _fmt(v: object) -> str:
     if v is None:
         return "-"

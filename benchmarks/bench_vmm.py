@@ -165,15 +165,12 @@ def bench_pool_fast_path(backend, pairs: int) -> dict[str, float]:
 
 
 def bench_manager(kind: str, pairs: int, deferred_free: bool | None = None) -> dict[str, float] | str:
-    """The same fast path through kvcached.kv_cache_manager.KVCacheManager, if it exists.
+    """The same fast path through kvcached.kv_cache_manager.KVCacheManager.
 
     deferred_free=True on the host times the GPU backends' free path: a live block keeps the
     page, so no free needs a device event (the host has none: one would fail, and show here)."""
-    try:
-        from kvcached import vmm_ops
-        from kvcached.kv_cache_manager import KVCacheManager
-    except Exception as e:  # noqa: BLE001 - reported in the table
-        return f"n/a ({type(e).__name__}: {e})"
+    from kvcached.kv_cache_manager import KVCacheManager
+
     dev = "cpu" if kind == "host" else "cuda:0"
     spec = kv_spec(64 * 64)
     try:

@@ -27,17 +27,16 @@ ap.add_argument("--cases", default="64x8192x1", help="comma-separated BxCxQ")
 ap.add_argument("--sweep", default="[{}]", help="JSON list of override knob sets")
 ARGS = ap.parse_args()
 sys.path.insert(0, os.path.abspath(ARGS.root))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _bench_common import graph_time_us, time_us  # noqa: E402
+from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS, graph_time_us, time_us  # noqa: E402
 
 import kvcached  # noqa: E402
 
 pa = importlib.import_module("kvcached.kernels.paged_attention")  # the package re-exports a function of this name
 cfg = importlib.import_module("kvcached.kernels.attention_config")
 ref = importlib.import_module("kvcached.kernels.reference")
-H, KH, D, BS = 32, 8, 128, 16
 
 
 def run_case(case: str, sweep: list[dict], dev: torch.device) -> None:
@@ -46,20 +45,20 @@ def run_case(case: str, sweep: list[dict], dev: torch.device) -> None:
     gen = torch.Generator().manual_seed(1)
     lens_l = torch.randint(256, 16385, (b,), generator=gen).tolist() if c == "u" else [int(c)] * b
     mx = max(lens_l)
-    nb = mx // BS + 1
+    nb = mx // BLOCK + 1
     torch.manual_seed(0)
-    kc = torch.randn(b * nb, BS, KH, D, dtype=torch.bfloat16, device=dev)
-    vc = torch.randn(b * nb, BS, KH, D, dtype=torch.bfloat16, device=dev)
+    kc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
+    vc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
     table = torch.randperm(b * nb, device=dev).to(torch.int32).view(b, nb)
     lens = torch.tensor(lens_l, dtype=torch.int32, device=dev)
     qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * n
-    q = torch.randn(b * n, H, D, dtype=torch.bfloat16, device=dev)
+    q = torch.randn(b * n, Q_HEADS, HEAD, dtype=DT, device=dev)
     k = min(b, 2)
-    want = ref.paged_attention_ref(q[: k * n], kc, vc, table[:k], lens[:k], qsl[: k + 1], scale=D**-0.5).double()
-    moved = sum(lens_l) * KH * D * 4 + b * n * H * D * 4
+    want = ref.paged_attention_ref(q[: k * n], kc, vc, table[:k], lens[:k], qsl[: k + 1], scale=HEAD**-0.5).double()
+    moved = sum(lens_l) * KV_HEADS * HEAD * 4 + b * n * Q_HEADS * HEAD * 4
 
     def fn():
-        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=mx, scale=D**-0.5)
+        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=mx, scale=HEAD**-0.5)
 
     for knobs in sweep:
         try:

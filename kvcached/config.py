@@ -83,6 +83,11 @@ def page_size() -> int:
     return mb * MiB
 
 
+def page_size_chosen() -> bool:
+    """True when ``KVCACHED_PAGE_SIZE_MB`` is set (the page size is then the user's, never fitted)."""
+    return _raw("KVCACHED_PAGE_SIZE_MB") is not None
+
+
 def backend_override() -> str | None:
     """``KVCACHED_BACKEND``: force ``cuda``, ``hip`` or ``host``; unset = from the device."""
     value = _raw("KVCACHED_BACKEND")

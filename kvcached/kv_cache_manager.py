@@ -296,13 +296,8 @@ class KVCacheManager:
         # unmap can hurt work still queued, so only the blocks that would empty a page wait.
         try:
             later = pool.free_keeping_pages(ids)  # all-or-nothing: a pending id counts as freed
-        except ValueError as exc:
-            refused = exc
-        else:
-            refused = None
-        if refused is not None:  # checked here only now, off the fast path; outside the except: no chain
-            self._check_deferred_ids(pool, ids)
-            raise refused
+        except ValueError as refused:  # the manager's own message, worked out only now, off the fast path
+            raise self._deferred_ids_error(pool, ids) or refused from None
         if not later:
             return
         try:
@@ -314,13 +309,14 @@ class KVCacheManager:
             raise
         self._deferred.drain()
 
-    def _check_deferred_ids(self, pool: Any, ids: list[int] | tuple[int, ...]) -> None:
-        """The manager's own message for ids the pool refused (a pending id, a repeated one...)."""
+    def _deferred_ids_error(self, pool: Any, ids: list[int] | tuple[int, ...]) -> ValueError | None:
+        """The manager's own message for ids the pool refused (a pending id, a repeated one...), if it has one."""
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not pool.is_allocated(i) or i in self._deferred:
-                raise ValueError(f"free: block {i!r} is not an allocated block id (double free?); nothing was freed.")
+                return ValueError(f"free: block {i!r} is not an allocated block id (double free?); nothing was freed.")
         if len(set(ids)) != len(ids):
-            raise ValueError("free: a block id appears twice in one call; nothing was freed.")
+            return ValueError("free: a block id appears twice in one call; nothing was freed.")
+        return None
 
     def _drain_deferred(self) -> None:
         """Give back what the device has finished with (no lock taken while nothing is pending)."""

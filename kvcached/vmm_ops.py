@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -201,7 +200,7 @@ def init_kvcached(device: str | torch.device = "cuda:0", page_size: int | None =
         # read here too, like every variable: a value set after import takes effect or raises now
         logging.getLogger("kvcached").setLevel(config.log_level())
         choice = choose_backend(device)
-        page_chosen = bool(page_size) or os.environ.get("KVCACHED_PAGE_SIZE_MB") is not None
+        page_chosen = bool(page_size) or config.page_size_chosen()
         if page_size is None or page_size == 0:
             page_size = config.page_size()
         if not isinstance(page_size, int) or isinstance(page_size, bool):

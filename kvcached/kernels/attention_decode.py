@@ -3,7 +3,7 @@
 One program serves one (sequence, KV head, head chunk, token block, split): the rows
 of the ``tl.dot`` are (query token, query head) pairs, up to ``BLOCK_H`` of them, for
 the heads that share the KV head. A decode (one token) fills them with heads (16 a
-program); a short query (2 to ``short_max`` tokens: speculative-decoding checks,
+program); a short query (2 to ``SHORT_MAX``, 16, tokens: speculative-decoding checks,
 draft tokens, the tail of a chunked prefill) with all of its tokens times the group
 (64 rows a program), so each K/V tile is read once for every row that needs it
 instead of once per 128-row prefill tile per head. Rows are causal: token ``t`` of a
@@ -30,7 +30,7 @@ from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
 # run-time scalars whose value must not make Triton compile another specialisation
 _NO_SPECIALISE = ["group", "bs_shift", "num_splits", "balance", "fused", "window", "causal", "has_alibi", "has_sinks",
-                  "short_max", "qmax", "tblocks"]
+                  "qmax", "tblocks"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -59,7 +59,6 @@ def decode_kernel(
     num_splits,
     balance,
     fused,
-    short_max,
     qmax,
     tblocks,
     head_size,
@@ -87,7 +86,7 @@ def decode_kernel(
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if (q_len < 1) | (q_len > short_max):
+    if (q_len < 1) | (q_len > qmax):
         return  # a longer query (the prefill kernel's) or an empty one
     seq_len = tl.load(seq_lens_ptr + seq)
     chunks = tl.cdiv(group, BLOCK_H)
@@ -257,7 +256,7 @@ def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, prow, head,
     )
 
 
-@triton.jit(do_not_specialize=["num_splits", "has_sinks", "short_max"])
+@triton.jit(do_not_specialize=["num_splits", "has_sinks"])
 def reduce_kernel(
     out_ptr,
     qsl_ptr,
@@ -265,7 +264,6 @@ def reduce_kernel(
     part_ptr,
     num_splits,
     has_sinks,
-    short_max,
     head_size,
     stride_ot,
     stride_oh,
@@ -276,10 +274,10 @@ def reduce_kernel(
     t = tl.program_id(2)  # grid: (sequences, heads, qmax)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if (q_len < 1) | (q_len > short_max) | (t >= q_len):
+    qmax = tl.num_programs(2)  # the longest query the decode kernel took
+    if (q_len < 1) | (q_len > qmax) | (t >= q_len):
         return
     num_heads = tl.num_programs(1)
-    qmax = tl.num_programs(2)
     rows_total = tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits
     part_ml_ptr = part_ptr + rows_total * HEAD_PAD
     prow = seq.to(tl.int64) * qmax + t
