@@ -117,8 +117,9 @@ def test_block_sizes(block_size):
     run_case(block_size=block_size, layout="per_layer", q_lens=[1, 9, 1], seq_lens=[150, 40, 129], seed=4)
 
 
-# (36, 1): a group of 36 takes three decode programs per KV head (16 + 16 + 4 query heads)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1), (6, 3), (36, 1)])
+# (36, 1): a group of 36 takes three decode programs per KV head (16 + 16 + 4 query heads) and two prefill
+# programs (the interpreter's 32 rows); (6, 2): a group of 3 fills 30 of the prefill tile's 32 rows (10 tokens)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1), (6, 3), (6, 2), (36, 1)])
 def test_gqa_mqa(num_heads, num_kv_heads):
     run_case(num_heads=num_heads, num_kv_heads=num_kv_heads, seed=5, **_features("all", num_heads))
 
@@ -183,6 +184,13 @@ def test_short_queries_beside_a_prefill(fused):
     with cfg.override(decode_fused_reduce=fused):
         run_case(q_lens=[4, 40, 1, 16, 3], seq_lens=[45, 40, 17, 70, 3], splits=3, seed=23)
         run_case(q_lens=[7, 2], seq_lens=[90, 130], num_heads=8, num_kv_heads=1, splits=5, seed=24)
+
+
+def test_prefill_slots_behind_decodes():
+    # vLLM's order (decodes first), prefills of several tiles (the interpreter's BLOCK_M is 32) with decodes and
+    # a short query between them: every prefill tile must find its sequence in the kernel's slot search
+    run_case(q_lens=[1, 1, 1, 70, 1, 33, 2, 65, 1], seq_lens=[20, 9, 40, 90, 33, 33, 50, 80, 3], splits=1,
+             seed=27)
 
 
 def test_short_query_rows_are_causal():

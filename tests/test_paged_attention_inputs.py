@@ -95,6 +95,10 @@ def _mutate(name):
         kw["v_scale"] = -2.0
     elif name == "scale_nan":
         kw["scale"] = float("nan")
+    elif name == "scale_zero":
+        kw["scale"] = 0.0
+    elif name == "scale_negative":
+        kw["scale"] = -0.1
     return args, kw
 
 
@@ -128,6 +132,8 @@ BAD = {
     "k_scale_vector": "k_scale must be",
     "v_scale_negative": "v_scale must be",
     "scale_nan": "scale must be",
+    "scale_zero": "scale must be a positive",
+    "scale_negative": "scale must be a positive",
 }
 
 

@@ -94,8 +94,8 @@ def attn_tile(
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale
     if FEATURES:
+        s = s * qk_scale
         if softcap > 0:
             # s is log2(e) * x; softcap applies to x: cap * tanh(x / cap), kept in the log2 domain
             cap2 = softcap * LOG2E
@@ -110,9 +110,15 @@ def attn_tile(
         elif CAUSAL:
             visible = visible & (keys[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FEATURES:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        # The scale (> 0: the callers refuse other scales) goes into one multiply-add with the max;
+        # a separate pass over the scores costs a prefill tile about a tenth of its softmax time.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASK:
         v = tl.load(v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -122,9 +128,11 @@ def attn_tile(
         v = tl.load(v_rows[:, None] + d[None, :])
     if FP8_KV:
         v = v.to(q.dtype)
+    # The product accumulates into acc itself: a separate P.V result would hold a second
+    # accumulator's worth of registers (64 a thread in the 128 x 128 prefill tile at 8 warps).
+    acc = acc * alpha[:, None]
     if INTERP:
-        pv = tl.dot(p, v.to(tl.float32))
+        acc = tl.dot(p, v.to(tl.float32), acc)
     else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i

@@ -222,10 +222,12 @@ def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
     if head_pad <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if head_pad <= 128:
-        # H200, 8k causal, triton 3.6: 128x128/8 warps 318 TFLOP/s (161 KiB smem: Hopper-class only),
-        # 128x64/8 warps 280; 128x64/4 warps 322 but spills 400+ B a thread (sm90, triton 3.9)
+        # H200, bf16 32/8 heads, graph replay (benchmarks/results/prefill_tiles_h200.md), rows = tokens x the
+        # group's heads, one 8k prompt / 8 x 1k, us: 256x64 at 16 warps, 3 stages 1387 / 289 (396 TFLOP/s);
+        # at 8 warps 1406 / 306 (and 1.3x slower with softcap: 8 warps spill); 128x128/8 1656 / 357; 256x32
+        # 1864+; 256x128 (2 stages) 2066. The 256-row tile needs 160 KiB of shared memory: Hopper-class only.
         if big_smem:
-            return PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+            return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=3)
         return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)  # block_n 64 spills (sm80/sm90)
 

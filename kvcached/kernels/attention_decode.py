@@ -82,8 +82,12 @@ def decode_kernel(
     INTERP: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    slot = tl.program_id(1)  # (kv_head * chunks + chunk) * tblocks + token block
-    split = tl.program_id(2)
+    hslot = tl.program_id(1)  # kv_head * chunks + chunk
+    # token block fastest: the programs of a batch's first token block (all of them, for single tokens) are
+    # launched first and spread evenly over the GPU; the other blocks (most return at once) follow
+    tb = tl.program_id(2) % tblocks
+    split = tl.program_id(2) // tblocks
+    slot = hslot * tblocks + tb
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if (q_len < 1) | (q_len > qmax):
@@ -92,9 +96,8 @@ def decode_kernel(
     chunks = tl.cdiv(group, BLOCK_H)
     hc = tl.minimum(group, BLOCK_H)  # heads of the group in one program
     per = BLOCK_H // hc  # query tokens in one program
-    tb = slot % tblocks
-    kv_head = slot // tblocks // chunks
-    h0 = (slot // tblocks % chunks) * BLOCK_H  # first head of this chunk within the group
+    kv_head = hslot // chunks
+    h0 = (hslot % chunks) * BLOCK_H  # first head of this chunk within the group
     t0 = tb * per
     if t0 >= q_len:
         return
@@ -125,7 +128,8 @@ def decode_kernel(
     if (num_splits > 1) & (balance > 0):
         # Uneven lengths: cut every sequence into runs of at most about the batch's keys / ``balance``
         # (one wave of programs), instead of each into num_splits equal parts (the longest would set
-        # the time). The sum is read here, not on the host, so a replayed CUDA graph plans afresh.
+        # the time). The sum is read here, not on the host, so a replayed CUDA graph plans afresh. Token
+        # blocks are not counted here: the host divides ``balance`` by those it expects to have work.
         total = (seq_len * 0).to(tl.int64)
         for b0 in range(0, tl.num_programs(0), 256):
             bs = b0 + tl.arange(0, 256)
@@ -184,7 +188,7 @@ def decode_kernel(
     else:
         # part_ptr: outputs [num_seqs, qmax, num_heads, num_splits, HEAD_PAD], then (max, sum) [..., 2], then
         # how many partials each (token row, head) has [num_seqs, qmax, num_heads] (for reduce_kernel)
-        num_heads = tl.num_programs(1) // (chunks * tblocks) * group
+        num_heads = tl.num_programs(1) // chunks * group
         rows_total = tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits
         part_ml_ptr = part_ptr + rows_total * HEAD_PAD
         prow = seq.to(tl.int64) * qmax + t
@@ -200,7 +204,7 @@ def decode_kernel(
             # launch instead of two (host launch time dominates small batches). The counter is put
             # back to 0 by that program, so the buffer is clean for the next launch.
             tl.debug_barrier()  # every thread's partial stores precede the release below
-            lock = lock_ptr + seq * tl.num_programs(1) + slot
+            lock = lock_ptr + seq * (tl.num_programs(1) * tblocks) + slot
             ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
             if ticket == parts - 1:
                 tl.debug_barrier()

@@ -1,10 +1,20 @@
 """Prefill (and chunked-prefill) paged attention: FlashAttention-2 over query tiles.
 
-Grid ``(q_tiles, num_heads, num_seqs)`` sized from ``max_query_len`` on the host;
-a program whose tile lies past its sequence's query length returns at once, so no
-host synchronization is needed. Tiles are visited last-first so the long causal
-tiles start early. Key tiles are split in three runs: masked tiles at the
-sliding-window edge, unmasked interior tiles, masked tiles at the diagonal.
+The rows of a program are (query token, query head) pairs: ``per`` = ``BLOCK_M //
+group`` tokens times the heads that share a KV head (a group above ``BLOCK_M`` takes
+several programs), so a K/V tile is loaded once for the whole group instead of once
+per query head: a quarter of the loads at 32 query / 8 KV heads.
+
+Grid ``(num_tokens // per + num_seqs, KV heads x head chunks)``: sequence ``i``'s
+tiles take the slots from ``query_start_loc[i] // per + i`` on, a bound the host knows
+without reading the device, and each program finds its sequence by binary search over
+those starts. A grid of ``max_query_len`` tiles for every sequence would launch a
+program for each tile of each decode in a mixed batch (60 decodes beside 4 chunks of
+1024: 15k programs that return at once, each holding a whole SM's shared memory while
+it does). Slots past a sequence's tiles return at once. Slots are visited last-first
+so the long causal tiles of a sequence start early. Key tiles are split in three
+runs: masked tiles at the sliding-window edge, unmasked interior tiles, masked tiles
+at the diagonal.
 
 Group size, block size and the head size within its power-of-two tile (``PAD_D``:
 80 and 96 on the 128 tile) are run-time values. ``FEATURES`` False is the plain
@@ -20,7 +30,7 @@ import triton.language as tl
 from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
 # run-time scalars whose value must not make Triton compile another specialisation
-_NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks", "short_max"]
+_NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks", "short_max", "num_seqs"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -45,6 +55,7 @@ def prefill_kernel(
     group,
     bs_shift,
     short_max,
+    num_seqs,
     head_size,
     stride_qt,
     stride_qh,
@@ -65,31 +76,46 @@ def prefill_kernel(
     FP8_KV: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
-    kv_head = head // group
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    hslot = tl.program_id(1)  # kv_head * chunks + chunk
+    chunks = tl.cdiv(group, BLOCK_M)
+    hc = tl.minimum(group, BLOCK_M)  # heads of the group in one program
+    per = BLOCK_M // hc  # query tokens in one program
+    kv_head = hslot // chunks
+    h0 = (hslot % chunks) * BLOCK_M  # first head of this chunk within the group
+    # the last sequence whose first slot (query_start_loc[i] // per + i, increasing in i) is <= slot
+    seq = 0
+    above = num_seqs
+    while above - seq > 1:
+        mid = (seq + above) // 2
+        if tl.load(qsl_ptr + mid) // per + mid <= slot:
+            seq = mid
+        else:
+            above = mid
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    m0 = tile * BLOCK_M
-    if m0 >= q_len:
+    t0 = (slot - q_start // per - seq) * per
+    if t0 < 0 or t0 >= q_len:  # below: slots before a query_start_loc[0] > 0
         return
     if q_len <= short_max:  # the decode kernel handles single tokens and short queries
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
 
-    rows = m0 + tl.arange(0, BLOCK_M)
-    row_mask = rows < q_len
-    q_pos = ctx + rows
+    r = tl.arange(0, BLOCK_M)
+    t = t0 + r // hc
+    h = h0 + r % hc
+    row_mask = (r < per * hc) & (h < group) & (t < q_len)
+    heads = kv_head * group + h
+    q_pos = ctx + t
     d = tl.arange(0, HEAD_PAD)
     if PAD_D:
         d_mask = d < head_size  # a multiple of 16: Triton specialises on it, loads stay vectorised
     else:
         d_mask = d < HEAD_PAD
-    tok = (q_start + rows).to(tl.int64)
+    tok = (q_start + t).to(tl.int64)
     q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
+        q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
@@ -102,15 +128,15 @@ def prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if FEATURES:
         if has_alibi != 0:
-            slope = slope + tl.load(alibi_ptr + head) * LOG2E
+            slope = tl.load(alibi_ptr + heads, mask=row_mask, other=0.0) * LOG2E
         if has_sinks != 0:
-            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+            m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * LOG2E
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
     # Keys some row of the tile sees: [lo, hi). Keys every row sees: [full_lo, full_hi).
-    pos_first = ctx + m0
-    pos_last = ctx + tl.minimum(m0 + BLOCK_M, q_len) - 1
+    pos_first = ctx + t0
+    pos_last = ctx + tl.minimum(t0 + per, q_len) - 1
     hi = pos_last + 1
     full_hi = pos_first + 1
     lo = seq_len * 0
@@ -153,7 +179,7 @@ def prefill_kernel(
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(
-        out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_mask[:, None] & d_mask[None, :],
     )

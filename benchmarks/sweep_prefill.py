@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Time the prefill path (and the mixed batch) under prefill-tile overrides; writes a markdown table.
+
+    python benchmarks/sweep_prefill.py                                   # the defaults, then the tile sweep
+    python benchmarks/sweep_prefill.py --root OLD_CHECKOUT --tag before --tiles ""   # another kvcached (A/B)
+
+Cases (bf16, 32 query / 8 KV heads, head 128, block 16, random block tables, per-layer
+cache): one causal 8k prompt; 8 prompts of 1k; 4 chunks of 1024 new tokens after 3072
+cached ones; those chunks beside 60 decodes of 8k (the mixed batch of bench_peers); the
+60 decodes alone; the 8k prompt with softcap 30 (the ``FEATURES`` compile). FLOPs count
+only the causal pairs (4 x heads x head size x visible keys per query token). Each time
+is the median of 3 CUDA-graph captures (min..max shown), after the last 64 query rows of
+the first and last sequence are checked against float64. ``--tiles`` is a comma-separated
+list of BLOCK_MxBLOCK_NxWARPSxSTAGES for ``attention_config.override``. With ``--profile``
+the mixed batch also gets a per-kernel breakdown from torch.profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import statistics
+import sys
+import zlib
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ap.add_argument("--root", default=".", help="the kvcached checkout to import (for an A/B against another)")
+ap.add_argument("--tag", default="head", help="label of this run (file name: prefill_tiles_<gpu>_<tag>.md)")
+ap.add_argument("--tiles", default="256x64x16x3,256x64x8x3,128x128x8x3,256x64x16x2,256x32x16x3,128x64x4x4",
+                help="BLOCK_MxBLOCK_NxWARPSxSTAGES override sets, after the defaults ('' for none)")
+ap.add_argument("--profile", action="store_true", help="per-kernel times of the mixed batch (torch.profiler)")
+ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+ARGS = ap.parse_args()
+sys.path.insert(0, os.path.abspath(ARGS.root))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from _bench_common import BLOCK, DT, HEAD, Q_HEADS, Table, environment, gpu_slug, graph_time_us, kv_cache, write_report  # noqa: E402, E501
+
+import kvcached  # noqa: E402
+from kvcached.layout import Layout  # noqa: E402
+
+pa = importlib.import_module("kvcached.kernels.paged_attention")  # the package re-exports a function of this name
+cfg = importlib.import_module("kvcached.kernels.attention_config")
+ref = importlib.import_module("kvcached.kernels.reference")
+DEV = torch.device("cuda")
+
+CASES = [
+    ("prefill 1x8192", [8192], [8192], {}),
+    ("prefill 8x1024", [1024] * 8, [1024] * 8, {}),
+    ("chunks 4x1024(+3072)", [1024] * 4, [4096] * 4, {}),
+    ("mixed 4x1024(+3072) + 60x8192", [1024] * 4 + [1] * 60, [4096] * 4 + [8192] * 60, {}),
+    ("decodes 60x8192", [1] * 60, [8192] * 60, {}),
+    ("prefill 1x8192 softcap 30", [8192], [8192], {"softcap": 30.0}),
+]
+TILED = {"prefill 1x8192", "prefill 8x1024", "mixed 4x1024(+3072) + 60x8192", "prefill 1x8192 softcap 30"}
+
+
+def flops(q_lens: list[int], seq_lens: list[int]) -> float:
+    # prefill rows only (the decode rows move bytes, not FLOPs): query token j of n sees s - n + j + 1 keys
+    return sum(4 * Q_HEADS * HEAD * n * (s - n + (n + 1) / 2) for n, s in zip(q_lens, seq_lens, strict=True) if n > 16)
+
+
+def run(name: str, q_lens: list[int], seq_lens: list[int], extra: dict, knobs: dict) -> tuple:
+    torch.manual_seed(zlib.crc32(name.encode()))
+    q = torch.randn(sum(q_lens), Q_HEADS, HEAD, dtype=DT, device=DEV)
+    nb = -(-max(seq_lens) // BLOCK)
+    table = torch.randperm(len(seq_lens) * nb, device=DEV).to(torch.int32).view(-1, nb)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    bases, kc, vc = kv_cache(Layout.PER_LAYER, table.numel(), 1, DEV)
+
+    def fn():
+        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                                  scale=HEAD**-0.5, **extra)
+
+    with cfg.override(**knobs) if knobs else contextlib.nullcontext():
+        o = fn()
+        err, st = 0.0, qsl.tolist()
+        for i in (0, len(q_lens) - 1):
+            a, b = max(st[i], st[i + 1] - 64), st[i + 1]
+            want = ref.paged_attention_ref(q[a:b], kc, vc, table[i:i + 1], lens[i:i + 1],
+                                           torch.tensor([0, b - a], dtype=torch.int32, device=DEV),
+                                           scale=HEAD**-0.5, **extra)
+            err = max(err, (o[a:b].double() - want.double()).abs().max().item())
+        ts = [graph_time_us(fn, DEV) for _ in range(3)]
+        prof = profile(fn) if ARGS.profile and name.startswith("mixed") else ""
+    t = statistics.median(ts)
+    f = flops(q_lens, seq_lens)
+    return t, min(ts), max(ts), (f / t / 1e6 if f else None), err, prof
+
+
+def profile(fn) -> str:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    parts = [f"{e.key} {e.device_time_total / e.count:.0f} us" for e in p.key_averages() if e.key.endswith("_kernel")]
+    return "; ".join(parts)
+
+
+def main() -> None:
+    tiles = [tuple(int(x) for x in c.split("x")) for c in ARGS.tiles.split(",") if c]
+    tab = Table(f"Prefill tiles ({ARGS.tag}: {os.path.relpath(os.path.dirname(kvcached.__file__))})",
+                ["case", "tile (rows x keys, warps, stages)", "us (median)", "min..max", "TFLOP/s", "max err",
+                 "kernels (profiler)"])
+    runs = [(None, c) for c in CASES] + [(t, c) for t in tiles for c in CASES if c[0] in TILED]
+    for tile, (name, ql, sl, extra) in runs:
+        knobs = {} if tile is None else dict(zip(
+            ("prefill_block_m", "prefill_block_n", "prefill_num_warps", "prefill_num_stages"), tile, strict=True))
+        label = "default" if tile is None else "{}x{}, {}, {}".format(*tile)
+        try:
+            t, lo, hi, tflops, err, prof = run(name, ql, sl, extra, knobs)
+            torch.cuda.empty_cache()  # the case's cache went with run()
+            tab.add(name, label, t, f"{lo:.0f}..{hi:.0f}", tflops, f"{err:.1e}", prof or "-")
+        except Exception as exc:  # a tile that does not compile or launch is a row, not the end
+            tab.add(name, label, None, "-", None, f"ERROR {type(exc).__name__}: {str(exc)[:120]}", "-")
+        print(tab.rows[-1], flush=True)
+    tab.notes.append("default = attention_config.prefill_base for this GPU; rows are (query token, query head) "
+                     "pairs where the kvcached imported packs the group (see attention_prefill.py)")
+    write_report(ARGS.out, f"prefill_tiles_{gpu_slug(DEV)}_{ARGS.tag}", "Prefill tile sweep", environment(DEV),
+                 [], [tab])
+
+
+if __name__ == "__main__":
+    main()
