@@ -148,14 +148,19 @@ def test_split_merge_paths_and_repeat(fused):
 
 @pytest.mark.parametrize("fused", [0, 1])
 @pytest.mark.parametrize("feature", ["none", "window", "sinks"])
-def test_balanced_splits_for_uneven_lengths(fused, feature):
+@pytest.mark.parametrize("floor", [None, 0])
+def test_balanced_splits_for_uneven_lengths(fused, feature, floor):
     # the dispatcher's own split plan for a small batch of uneven lengths: the kernel cuts each sequence into
     # runs of about the batch's mean (the longest into as many as the grid has, the shortest into one, leaving
-    # splits empty), for decodes and a short query alike
-    q_lens, seq_lens = [1, 1, 1, 1, 4], [37, 300, 1000, 700, 520]
-    plan = cfg.decode_config(len(q_lens), 2, 32, 16, 2, max(seq_lens), 0)
-    assert plan.num_splits > 1 and plan.balance > 0, plan
-    with cfg.override(decode_fused_reduce=fused):
+    # splits empty), for decodes and a short query alike. The short sequences leave one wave's runs a second
+    # wave (interpreter: 32 slots, runs of 125 keys, 19 runs x 2 KV heads), so the kernel plans two waves of
+    # runs half as long: with floor 0 it cuts them (the default floor of 1024 keys keeps one wave's runs)
+    q_lens, seq_lens = [1, 1, 1, 1, 4, 1], [16, 20, 1000, 30, 900, 25]
+    knobs = {} if floor is None else {"split_run_floor": floor}
+    with cfg.override(**knobs):
+        plan = cfg.decode_config(len(q_lens), 2, 32, 16, 2, max(seq_lens), 0)
+    assert plan.num_splits > 1 and plan.balance > 0 and plan.waves == 2, plan
+    with cfg.override(decode_fused_reduce=fused, **knobs):
         run_case(q_lens=q_lens, seq_lens=seq_lens, splits=None, seed=26, **_features(feature))
 
 

@@ -276,12 +276,12 @@ def test_split_heuristic_fills_the_gpu():
     # H200-like: 132 SMs, 8 KV heads, 8k context, 64-key tiles
     assert _pick_splits(1 * 8, 8192, 64, 132, hip=False)[0] >= 32
     # a batch below one wave of programs: the grid has room for runs of the batch's mean, the kernel plans them
-    splits, balance = _pick_splits(8 * 8, 8192, 64, 132, hip=False)
-    assert balance == 132 * 4 and 8 <= splits <= 64
+    splits, balance, waves = _pick_splits(8 * 8, 8192, 64, 132, hip=False)
+    assert balance == 132 * 4 and waves == 2 and 8 <= splits <= 64
     with cfg.override(split_waves=0):  # equal splits per sequence, one wave
-        assert _pick_splits(8 * 8, 8192, 64, 132, hip=False) == (8, 0)
-    assert _pick_splits(256 * 8, 8192, 64, 132, hip=False) == (1, 0)
-    assert _pick_splits(1 * 8, 100, 64, 132, hip=False) == (1, 0)  # too short to be worth a reduce
+        assert _pick_splits(8 * 8, 8192, 64, 132, hip=False) == (8, 0, 1)
+    assert _pick_splits(256 * 8, 8192, 64, 132, hip=False) == (1, 0, 1)
+    assert _pick_splits(1 * 8, 100, 64, 132, hip=False) == (1, 0, 1)  # too short to be worth a reduce
     assert _pick_splits(1 * 8, 8192, 64, 304, hip=True)[0] > 1  # MI300X
     with cfg.override(decode_num_splits=5):
         assert cfg.decode_config(3, 2, 32, 16, 2, 100, 0).num_splits == 5

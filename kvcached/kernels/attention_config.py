@@ -24,7 +24,9 @@ class DecodeConfig:
     num_stages: int
     num_splits: int
     waves_per_eu: int = 0  # HIP only; 0 = leave to the compiler
-    balance: int = 0  # programs the kernel spreads the batch's keys over (0: equal splits per sequence)
+    balance: int = 0  # programs in one wave, which the kernel spreads the batch's keys over (0: equal splits)
+    waves: int = 1  # waves of programs the kernel plans with ``balance``
+    run_floor: int = 0  # keys: runs shorter than this (and than one wave's runs) are not cut
 
     @property
     def options(self) -> dict[str, int]:
@@ -45,8 +47,10 @@ class PrefillConfig:
 
 
 _OVERRIDES: dict[str, int] = {}
-# waves of programs the decode kernel plans its splits for (0: equal splits per sequence)
-SPLIT_WAVES = 1
+# waves of programs the decode kernel plans its splits for (0: equal splits per sequence), and the shortest
+# run (keys) it cuts a second wave's runs to
+SPLIT_WAVES = 2
+RUN_FLOOR = 1024
 KNOBS = (
     "decode_block_n",
     "decode_num_warps",
@@ -63,6 +67,7 @@ KNOBS = (
     "min_keys_per_split",
     "programs_per_sm",
     "split_waves",
+    "split_run_floor",
 )
 
 
@@ -131,9 +136,9 @@ def num_compute_units(device_index: int) -> int:
 
 
 def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip: bool,
-                 rows: int = 16) -> tuple[int, int]:
-    """(split count, ``balance``): how many splits the grid has, and the programs the kernel spreads
-    the batch's keys over (0: every sequence in ``num_splits`` equal parts)."""
+                 rows: int = 16) -> tuple[int, int, int]:
+    """(split count, ``balance``, waves): how many splits the grid has, the programs of one wave the kernel
+    spreads the batch's keys over (0: every sequence in ``num_splits`` equal parts), and its waves."""
     # sm90 decode (d128, 64 keys x 3 stages, 2 warps) fits 4 programs per SM (242 regs, 39 KB smem), the
     # 64-row short tile 2 (4 warps, 208 regs, 82 KB); gfx942 2 per CU (174 vgprs), 1 of the short tile's
     # 8 warps. Fewer than ~128 keys per split is all reduce overhead.
@@ -142,19 +147,21 @@ def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip:
     slots = units * per_unit
     by_len = triton.cdiv(max_seq_len, max(min_keys, block_n))
     waves = _OVERRIDES.get("split_waves", SPLIT_WAVES)
-    if waves > 0 and programs < slots * waves:
-        # The kernel cuts each sequence into runs of about (the batch's keys / (slots x waves)) keys; the
-        # grid has room for a sequence 4x the mean length, and shorter ones leave their splits empty.
-        # H200, bf16 d128, graph replay (benchmarks/results/decode_knobs_h200.md, run D), waves 0 / 1 / 2:
-        # 64 sequences of 256-16k keys 756 / 719 / 614 us, 8 of them 105 / 95 / 87; but 64 x 8k 508 / 519 /
-        # 521 and 8 x 8k 85 / 85 / 93 (more, shorter programs): hence one wave, runs of up to 1/8 over the
-        # mean left whole.
-        splits = max(1, min(triton.cdiv(4 * slots * waves, max(programs, 1)), by_len, 128))
-        return splits, (slots * waves if splits > 1 else 0)
+    if waves > 0 and programs < slots:
+        # The kernel cuts each sequence into runs of about (the batch's keys / slots) keys, up to 1/8 over
+        # that left whole; the grid has room for a sequence 4x the mean length, shorter ones leave their
+        # splits empty. H200, bf16 d128 (decode_knobs_h200.md, run D): equal splits (waves 0) took 756 us at
+        # 64 sequences of 256-16k keys, one wave of runs 719. ``waves`` 2: the kernel halves its runs when one
+        # wave's leave a second wave (uneven lengths), not below split_run_floor keys. H200, graph replay
+        # (benchmarks/results/decode_waves_h200.md): 64 of 256-16k keys 715 -> 614 us; two waves for every
+        # batch cost 8 x 8k +3 %, 4 x 32k +5 %, and 64 x 8k x q16 +16 % (it was split at all), hence the
+        # kernel's test and no split for a batch that fills a wave.
+        splits = max(1, min(triton.cdiv(4 * slots, max(programs, 1)), by_len, 128))
+        return (splits, slots, waves) if splits > 1 else (1, 0, 1)
     # floor, not ceil: one program past a full wave costs a whole extra wave (H200, batch 8 x 8k:
     # 9 splits = 576 programs on 528 slots took 100 us, 8 splits 82 us)
     want = max(1, slots // max(programs, 1))
-    return max(1, min(want, by_len, 128)), 0
+    return max(1, min(want, by_len, 128)), 0, 1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -189,11 +196,12 @@ def _decode_config(
     # num_kv_heads: programs per sequence (KV heads x head chunks x token blocks); block_h: rows a program
     hip = is_hip()
     tile = decode_tile(head_pad, kv_itemsize, hip, interpreting())
-    splits, balance = _OVERRIDES.get("decode_num_splits"), 0
+    splits, balance, waves = _OVERRIDES.get("decode_num_splits"), 0, 1
     if splits is None:
         units = num_compute_units(device_index)
-        splits, balance = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip, block_h)
-    return replace(tile, num_splits=max(1, int(splits)), balance=balance)
+        splits, balance, waves = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip, block_h)
+    return replace(tile, num_splits=max(1, int(splits)), balance=balance, waves=waves,
+                   run_floor=_OVERRIDES.get("split_run_floor", RUN_FLOOR))
 
 
 @functools.lru_cache(maxsize=16)

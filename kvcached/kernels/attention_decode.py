@@ -29,8 +29,8 @@ import triton.language as tl
 from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
 # run-time scalars whose value must not make Triton compile another specialisation
-_NO_SPECIALISE = ["group", "bs_shift", "num_splits", "balance", "fused", "window", "causal", "has_alibi", "has_sinks",
-                  "qmax", "tblocks"]
+_NO_SPECIALISE = ["group", "bs_shift", "num_splits", "balance", "waves", "run_floor", "fused", "window", "causal",
+                  "has_alibi", "has_sinks", "qmax", "tblocks"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -58,6 +58,8 @@ def decode_kernel(
     bs_shift,
     num_splits,
     balance,
+    waves,
+    run_floor,
     fused,
     qmax,
     tblocks,
@@ -135,6 +137,19 @@ def decode_kernel(
             bs = b0 + tl.arange(0, 256)
             total += tl.sum(tl.load(seq_lens_ptr + bs, mask=bs < tl.num_programs(0), other=0).to(tl.int64), 0)
         per_program = tl.maximum(tl.cdiv(total * tl.num_programs(1), balance), 1)
+        if waves > 1:
+            # One wave's runs leave a second, mostly idle wave when lengths are uneven (every short sequence
+            # still takes a program): then runs ``waves`` times shorter, but not below ``run_floor`` keys
+            # (nor above one wave's), so the GPU's scheduler packs them. Equal lengths keep one wave.
+            run1 = per_program + per_program // 8
+            n1 = (seq_len * 0).to(tl.int64)
+            for b0 in range(0, tl.num_programs(0), 256):
+                bs = b0 + tl.arange(0, 256)
+                ln = tl.load(seq_lens_ptr + bs, mask=bs < tl.num_programs(0), other=0)
+                runs = tl.minimum(tl.maximum(tl.cdiv(ln, run1), 1), num_splits)
+                n1 += tl.sum(tl.where(bs < tl.num_programs(0), runs, 0).to(tl.int64), 0)
+            if n1 * tl.num_programs(1) > balance:
+                per_program = tl.maximum(tl.cdiv(per_program, waves), tl.minimum(per_program, run_floor))
         # up to 1/8 over the mean stays whole: a batch of equal lengths that fills the GPU keeps one run each
         parts = tl.minimum(tl.cdiv(hi - lo, per_program + per_program // 8), parts).to(tl.int32)
     parts = tl.maximum(parts, 1)

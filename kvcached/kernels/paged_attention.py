@@ -349,8 +349,8 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             decode_kernel[(num_seqs, num_kv_heads * chunks, tblocks * num_splits)](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                 part, lock, scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
-                num_splits, balance, int(fused), qmax, tblocks, head_size, *q_strides, *kv_strides, *o_strides,
-                block_table.stride(0), **v.constexprs, **v.options,
+                num_splits, balance, dc.waves, dc.run_floor, int(fused), qmax, tblocks, head_size, *q_strides,
+                *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
             )
         elif v.fn is reduce_kernel:
             reduce_kernel[(num_seqs, num_heads, qmax)](
