@@ -82,7 +82,7 @@ std::shared_ptr<ZeroPage> Backend::zero_page(size_t size) {
   if (it != zero_pages_.end()) {
     if (auto zp = it->second.lock()) return zp;
   }
-  Handle h = create(size);
+  Handle h = create_draining(size);
   if (!creates_zeroed()) {
     // Fresh physical memory is not guaranteed to be zero on GPUs: map it once and clear it.
     uintptr_t va = 0;

@@ -18,6 +18,27 @@ namespace kvc {
 using Handle = uint64_t;  // a physical allocation (CUmemGenericAllocationHandle, hip handle, host offset)
 
 class Backend;
+class DeferredRelease;  // deferred_release.cpp
+
+// What releasing a PageAllocator's handles off its path reports back to it: the time the
+// releases took (so the allocator's phase counters show where shrinking's time went, now
+// that most of it is spent after the call returns), and the free physical memory read
+// after them, which is the allocator's cached figure (obtainable_pages): a figure read
+// while the handles were still held must not outlive their release.
+struct ReleaseReport {
+  std::atomic<int64_t> background_ns{0}, background_calls{0};  // released by the background thread
+  std::atomic<int64_t> flushed_ns{0}, flushed_calls{0};        // released by a caller that flushed
+
+  // Reads the backend's free memory and keeps it unless a reading started later was kept
+  // first (the releaser's reading after a release and a caller's taken before it race).
+  void refresh(Backend& b) noexcept;
+  size_t free_bytes() const { return free_.load(std::memory_order_relaxed); }
+
+ private:
+  std::mutex mu_;
+  uint64_t started_ = 0, kept_ = 0;  // readings begun, the newest one kept
+  std::atomic<size_t> free_{0};
+};
 
 // The shared zero page: one physical allocation of `size` bytes mapped at many addresses.
 struct ZeroPage {
@@ -57,7 +78,31 @@ class Backend {
   virtual std::string shm_name() const { return ""; }
   virtual std::pair<int, int> dlpack_device() const = 0;
 
+  // Bytes of live allocations: handles queued by release_later count until really released.
   size_t physical_bytes() const { return physical_.load(std::memory_order_relaxed); }
+
+  // Deferred release (deferred_release.cpp): `hs`, `bytes` in all, are handles no mapping
+  // uses any more; a background thread releases them (driver release costs ~50 us per
+  // 128 MiB allocation on an H200, the larger part of a shrink); `hs` is emptied. False
+  // when nothing was queued (the releaser is stopped or cannot start), `hs` left as it
+  // was: the caller releases them itself.
+  bool release_later(std::vector<Handle>& hs, size_t bytes, const std::shared_ptr<ReleaseReport>& report);
+  // Releases everything queued before the call (here, inline) and waits for the batch the
+  // background thread holds: on return that memory is back with the driver.
+  void flush_releases() noexcept;
+  // Bytes queued or being released (0 before anything was deferred).
+  size_t pending_release_bytes();
+  // create(); when it runs out of memory while released handles are pending (or were
+  // released meanwhile), flushes them and tries once more. Adds the time spent flushing to *drain_us.
+  Handle create_draining(size_t size, double* drain_us = nullptr);
+  // Flushes and stops the background thread for good; later release_later calls return
+  // false. Subclass destructors call it first (the thread calls virtual release), and so
+  // does stop_all_prealloc_threads at interpreter exit, before the drivers shut down.
+  void stop_releaser() noexcept;
+  // Tests: while paused the thread leaves queued releases alone (a flush still does them),
+  // so what is pending at a given moment does not depend on thread timing.
+  void pause_releases(bool on);
+
   bool map_offset_ok() const { return map_offset_ok_; }
 
   // Unmaps [ptr, ptr+size) made of mappings of `unit` bytes each: one call when the
@@ -99,6 +144,11 @@ class Backend {
 
  private:
   std::atomic<int> range_unmap_{0};  // 0 unknown, 1 works, -1 refused
+  DeferredRelease* releaser(bool make);  // made on first use, so a backend that never defers has no thread
+  std::mutex rel_make_mu_;
+  // shared_ptr: its deleter is bound where it is made, so Backend's destructor (inline, like
+  // every virtual: see unmap_units) needs no DeferredRelease symbols in kvcached._vmm_bench.
+  std::shared_ptr<DeferredRelease> rel_;
   std::mutex zero_mu_;
   std::map<size_t, std::weak_ptr<ZeroPage>> zero_pages_;
 };

@@ -90,6 +90,7 @@ class DriverBackend final : public Backend {
     check(drv_.granularity(&granularity), Drv::kGranularity);
     probe_map_offset();
   }
+  ~DriverBackend() override { stop_releaser(); }
 
   uintptr_t reserve(size_t size) override {
     check_aligned("reserve size", size);

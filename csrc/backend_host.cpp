@@ -34,6 +34,7 @@ class HostBackend final : public Backend {
     map_offset_ok_ = true;
   }
   ~HostBackend() override {
+    stop_releaser();
     if (fd_ >= 0) close(fd_);
   }
 

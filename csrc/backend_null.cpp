@@ -25,6 +25,7 @@ class NullBackend final : public Backend {
     granularity = 2u << 20;
     map_offset_ok_ = true;
   }
+  ~NullBackend() override { stop_releaser(); }
 
   uintptr_t reserve(size_t size) override {
     check_aligned("reserve size", size);

@@ -144,7 +144,16 @@ PYBIND11_MODULE(_vmm, m) {
         py::gil_scoped_release rel;
         return b.mem_info();
       })
-      .def("physical_bytes", &Backend::physical_bytes)
+      .def("physical_bytes", &Backend::physical_bytes,
+           "Bytes of live physical allocations, the zero page and memory still waiting for release included.")
+      .def("pending_release_bytes", &Backend::pending_release_bytes, py::call_guard<py::gil_scoped_release>(),
+           "Bytes unmapped by a shrink whose release is still pending (a background thread releases them "
+           "shortly after the shrink returns).")
+      .def("flush_releases", &Backend::flush_releases, py::call_guard<py::gil_scoped_release>(),
+           "Release what shrinks queued before this call; on return that memory is back with the driver. "
+           "PageAllocator.trim and close do it themselves.")
+      .def("_pause_releases", &Backend::pause_releases, py::arg("paused"), py::call_guard<py::gil_scoped_release>(),
+           "Tests: while paused the background thread leaves queued releases alone (flushes still do them).")
       .def("resident_bytes", [](Backend& b) { return host_resident_bytes(b); },
            "host: bytes of the memfd really backed by RAM; other backends: physical_bytes().")
       .def("set_host_limit", [](Backend& b, py::object bytes) { b.set_host_limit(as_size(bytes, "host limit")); },

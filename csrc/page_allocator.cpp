@@ -13,7 +13,12 @@ std::set<PageAllocator*> g_live;  // for stopping prealloc threads at interprete
 
 void stop_all_prealloc_threads() noexcept {
   std::lock_guard<std::mutex> lk(g_live_mu);
-  for (auto* pa : g_live) pa->stop_thread();
+  for (auto* pa : g_live) {
+    pa->stop_thread();
+    // No thread may call the driver while the process tears it down; from here on every
+    // release happens inline, in the call that frees the memory.
+    pa->backend()->stop_releaser();
+  }
 }
 
 PageAllocator::PageAllocator(std::shared_ptr<Backend> backend, std::vector<std::shared_ptr<VirtualTensor>> tensors,
@@ -111,19 +116,17 @@ void PageAllocator::check_open() const {
   if (closed_.load()) throw_state("this PageAllocator is closed; create a new one.");
 }
 
-void PageAllocator::refresh_mem_info() noexcept {
-  try {
-    auto info = backend_->mem_info();
-    phys_free_pages_.store(static_cast<int64_t>(info.first / page_bytes_), std::memory_order_relaxed);
-  } catch (const std::exception& e) {
-    log_warning(std::string("mem_info: ") + e.what());
-  }
-}
+void PageAllocator::refresh_mem_info() noexcept { rel_report_->refresh(*backend_); }
 
+// Memory whose release is pending counts as held, as the driver (and every other process)
+// sees it: between a shrink and its background release (a few hundred microseconds) this
+// reports up to the shrunk pages less than what alloc_pages could map (create_draining
+// would flush them), never more than there is. The releaser reads the free memory again
+// once they are released.
 int64_t PageAllocator::obtainable_pages() const {
   int64_t in_use = num_in_use(), res = num_reserved();
   int64_t n = std::min(limit_pages(), num_pages_) - in_use;
-  n = std::min(n, res + phys_free_pages_.load(std::memory_order_relaxed));
+  n = std::min(n, res + static_cast<int64_t>(rel_report_->free_bytes() / page_bytes_));
   return std::max<int64_t>(n, 0);
 }
 
@@ -147,12 +150,20 @@ void PageAllocator::reset_peak() {
 
 std::map<std::string, std::pair<double, int64_t>> PageAllocator::phase_times() {
   std::lock_guard<std::mutex> lk(mu_);
-  return phases_;
+  auto out = phases_;
+  // The releases done after the shrinks returned: by the backend's thread, or by a call
+  // that flushed (trim, close, a create that ran out of memory).
+  const ReleaseReport& r = *rel_report_;
+  if (int64_t n = r.background_calls.load()) out["release.background"] = {r.background_ns.load() / 1e3, n};
+  if (int64_t n = r.flushed_calls.load()) out["release.flushed"] = {r.flushed_ns.load() / 1e3, n};
+  return out;
 }
 
 void PageAllocator::reset_phase_times() {
   std::lock_guard<std::mutex> lk(mu_);
   phases_.clear();
+  ReleaseReport& r = *rel_report_;
+  r.background_ns = r.background_calls = r.flushed_ns = r.flushed_calls = 0;
 }
 
 std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
@@ -322,13 +333,15 @@ void PageAllocator::shrink_reserved_locked(int64_t keep) {
   if (drop.empty()) return;
   const int64_t split = drop.back();  // the lowest: it may take the reserve below `keep`
   std::sort(drop.begin(), drop.end());
+  bool deferred;
   try {
-    unmap_runs_locked(drop);
+    deferred = unmap_runs_locked(drop);
   } catch (...) {
     publish_locked();
     refresh_mem_info();
     throw;
   }
+  bool remapped = false;
   if (excess < 0) {
     // The last run went below `keep`: map its low pages again as a shorter run, so the
     // reserve holds what it would hold page by page. Best effort: without memory the
@@ -342,18 +355,27 @@ void PageAllocator::shrink_reserved_locked(int64_t keep) {
         set_state_locked(p, kReserved);
         reserved_.insert(p);
       }
+      remapped = true;
     } catch (const Error&) {
     }
   }
   publish_locked();
-  refresh_mem_info();
+  // Deferred: the memory is still held now; the releaser reads the figure after releasing it.
+  if (!deferred || remapped) refresh_mem_info();
 }
 
 void PageAllocator::trim() {
-  std::unique_lock<std::mutex> lk(mu_);
-  check_open();
-  trimmed_ = true;
-  shrink_reserved_locked(0);
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    check_open();
+    trimmed_ = true;
+    shrink_reserved_locked(0);
+  }
+  // trim's promise is memory back now (kvctl trim, a user making room for another process),
+  // so it does not return while the releases it (or an earlier free) queued are pending.
+  // Outside mu_: other calls need not wait for the driver.
+  backend_->flush_releases();
+  refresh_mem_info();
 }
 
 bool PageAllocator::set_limit_pages(int64_t n) {
@@ -456,6 +478,10 @@ void PageAllocator::close() {
   }
   reserved_.clear();
   publish_locked();
+  lk.unlock();
+  // Closed means released: the caller may drop the backend or hand the memory to
+  // another process next, and nothing of this allocator may outlive it in the queue.
+  backend_->flush_releases();
 }
 
 }  // namespace kvc

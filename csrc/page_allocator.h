@@ -51,6 +51,8 @@ class PageAllocator {
   // Maps exactly these pages (free or reserved) and marks them in use; all-or-nothing.
   void map_pages(const std::vector<int64_t>& ids);
   void free_pages(const std::vector<int64_t>& ids);
+  // Unmaps every reserved run with no page in use, then flushes the backend's pending
+  // releases: on return the memory is back with the driver, not only queued.
   void trim();
   bool set_limit_pages(int64_t n);
   void close();
@@ -94,9 +96,11 @@ class PageAllocator {
   void check_open() const;
   // Maps sorted free pages as new runs (state unchanged: the caller sets it); all-or-nothing.
   void map_locked(const std::vector<int64_t>& pages);
-  // Unmaps the runs starting at `firsts` (ascending): zero page back, memory released, pages
-  // free. On a driver error the stretch at hand keeps its bookkeeping and the error is thrown.
-  void unmap_runs_locked(const std::vector<int64_t>& firsts);
+  // Unmaps the runs starting at `firsts` (ascending): zero page back, pages free, the memory
+  // queued for release (Backend::release_later; released here when nothing can be queued).
+  // On a driver error the stretch at hand keeps its bookkeeping and the error is thrown.
+  // True when every handle was queued (the releaser then refreshes the free-memory figure).
+  bool unmap_runs_locked(const std::vector<int64_t>& firsts);
   // Every page state change of a mapped page goes through here: it keeps run_live_ right.
   void set_state_locked(int64_t p, uint8_t s) {
     int64_t r = run_of_[p];
@@ -139,7 +143,8 @@ class PageAllocator {
 
   std::atomic<int64_t> limit_;
   std::atomic<int64_t> in_use_{0}, reserved_n_{0}, peak_in_use_{0};  // written under mu_
-  std::atomic<int64_t> phys_free_pages_{0};
+  // The backend's free memory, read after each map, shrink and background release.
+  std::shared_ptr<ReleaseReport> rel_report_ = std::make_shared<ReleaseReport>();
   std::atomic<bool> closed_{false};
   std::thread thread_;  // assigned and moved out only under mu_: readers under mu_ see a settled value
   std::map<std::string, std::pair<double, int64_t>> phases_;  // guarded by mu_

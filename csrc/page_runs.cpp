@@ -42,15 +42,16 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
   };
   auto t_create = Clock::now();
   int64_t created = 0;
+  double drain_us = 0;  // out of memory with releases pending: time spent flushing them
   try {
     for (size_t ui = 0; ui < runs.size(); ++ui) {
       size_t len = static_cast<size_t>(runs[ui].second - runs[ui].first + 1);
       if (one_handle_) {
-        hs[ui].push_back(backend_->create(len * page_bytes_));
+        hs[ui].push_back(backend_->create_draining(len * page_bytes_, &drain_us));
         ++created;
       } else {
         for (const auto& r : regions_) {
-          hs[ui].push_back(backend_->create(len * r.size));
+          hs[ui].push_back(backend_->create_draining(len * r.size, &drain_us));
           ++created;
         }
       }
@@ -59,7 +60,8 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
     release_all();
     throw;
   }
-  add_phase("map.create", us_since(t_create), created);
+  if (drain_us > 0) add_phase("map.drain", drain_us);
+  add_phase("map.create", us_since(t_create) - drain_us, created);
   // 2. per region and stretch of consecutive pages (runs cut by the cap lie side by side):
   // drop the zero page once, one mapping per run, one access call
   Runs stretches = runs_of(pages, std::numeric_limits<int64_t>::max());
@@ -132,7 +134,8 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
   }
 }
 
-void PageAllocator::unmap_runs_locked(const std::vector<int64_t>& firsts) {
+bool PageAllocator::unmap_runs_locked(const std::vector<int64_t>& firsts) {
+  bool deferred = true;
   for (size_t i = 0; i < firsts.size();) {
     // A stretch of runs side by side: one unmap call, zero backing and access call per
     // region, so the zero page comes back in pieces as large as the stretch allows.
@@ -155,16 +158,24 @@ void PageAllocator::unmap_runs_locked(const std::vector<int64_t>& firsts) {
       backend_->set_access(t.ptr() + off, len);
       add_phase("unmap.set_access", us_since(t0));
     }
+    // Nothing maps these handles any more: their release (the costliest step) is queued
+    // for the backend's thread, so the call returns now; see deferred_release.cpp.
     auto t0 = Clock::now();
-    int64_t released = 0;
+    std::vector<Handle> hs;
+    for (size_t k = i; k < j; ++k) hs.insert(hs.end(), handles_[firsts[k]].begin(), handles_[firsts[k]].end());
     for (size_t k = i; k < j; ++k) {
-      for (Handle h : handles_[firsts[k]]) backend_->release(h);
-      released += static_cast<int64_t>(handles_[firsts[k]].size());
       handles_[firsts[k]].clear();
       run_len_[firsts[k]] = 0;
       run_live_[firsts[k]] = 0;
     }
-    add_phase("unmap.release", us_since(t0), released);
+    const auto released = static_cast<int64_t>(hs.size());
+    if (backend_->release_later(hs, static_cast<size_t>(n) * page_bytes_, rel_report_)) {
+      add_phase("unmap.release_deferred", us_since(t0), released);
+    } else {
+      for (Handle h : hs) backend_->release(h);
+      add_phase("unmap.release", us_since(t0), released);
+      deferred = false;
+    }
     for (int64_t p = a; p < a + n; ++p) {
       run_of_[p] = -1;
       if (state_[p] == kReserved) reserved_.erase(p);
@@ -173,6 +184,7 @@ void PageAllocator::unmap_runs_locked(const std::vector<int64_t>& firsts) {
     }
     i = j;
   }
+  return deferred;
 }
 
 std::vector<std::tuple<int64_t, int64_t, int64_t>> PageAllocator::runs() {

@@ -7,6 +7,7 @@ when ``@triton.jit`` runs, so it is set here, before any kernel module is import
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
@@ -51,6 +52,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def eventually():
+    """``eventually(cond, timeout=10.0)``: polls ``cond()`` every millisecond until it holds (True)
+    or the timeout passes (False), for what another thread or process does in its own time."""
+
+    def wait(cond, timeout: float = 10.0) -> bool:
+        end = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.001)
+        return True
+
+    return wait
 
 
 @pytest.fixture

@@ -149,6 +149,7 @@ def test_explicit_unmap_of_one_page_of_a_batch_returns_its_memory(fresh: pytest.
     for t in ts:
         t[: 3 * ps].fill_(5)
     assert vmm_ops.unmap_from_kv_tensors([ps])
+    backend.flush_releases()  # unmapped at once; the memory goes back on the backend's thread, or now
     assert backend.physical_bytes() - before == 2 * 2 * 2 * ps  # pages 0 and 2 of 2 layers, K and V
     assert all(int(t[ps : 2 * ps].count_nonzero()) == 0 and int(t[:ps].min()) == 5 for t in ts)
     assert vmm_ops.unmap_from_kv_tensors([0, 2 * ps])
@@ -178,6 +179,7 @@ def test_explicit_map_reaches_every_layer_and_rejects_misuse(fresh: pytest.Monke
     with pytest.raises(ValueError, match="not in use"):
         vmm_ops.unmap_from_kv_tensors([ps])
     assert vmm_ops.unmap_from_kv_tensors([0, 2 * ps])
+    backend.flush_releases()
     assert backend.physical_bytes() == before
     assert all(int(t.count_nonzero()) == 0 for t in ts)
 

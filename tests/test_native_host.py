@@ -170,6 +170,7 @@ def test_mapped_pages_do_not_alias_and_unmap_returns_memory():
     assert resident >= 2 * U
     pa.free_pages([0, 1])
     assert pa.num_in_use == 0 and pa.num_reserved == 0  # max_reserved=0: unmapped at once
+    b.flush_releases()  # the memory itself goes back on the backend's thread, or now
     assert b.physical_bytes() == U
     assert b.resident_bytes() <= resident - 2 * U  # holes punched: RAM really returned
     assert int(x.sum()) == 0
@@ -350,7 +351,9 @@ def test_page_allocator_random_against_model(layout):
         over = pa.num_reserved > 2 or pa.num_in_use + pa.num_reserved > max(limit, len(in_use))
         assert not over or all(live for _, _, live in runs)
         assert pa.mapped_bytes == (pa.num_in_use + pa.num_reserved) * geom.page_group_bytes
-        assert b.physical_bytes() == pa.mapped_bytes + geom.unit_bytes  # + the zero page
+        # + the zero page; unmapped memory whose release is pending still counts (read first: it only shrinks)
+        pending = b.pending_release_bytes()
+        assert 0 <= b.physical_bytes() - (pa.mapped_bytes + geom.unit_bytes) <= pending
         for p, val in in_use.items():
             for t, off in mark_offsets(p):
                 assert int(bases[t][off]) == val
@@ -370,7 +373,9 @@ def test_trim_and_reserved_bounds_without_thread():
     assert pa.runs() == [(0, 2, 1)]
     assert pa.num_reserved == 1 and b.physical_bytes() == 3 * U
     pa.free_pages([0])
-    assert pa.num_reserved == 0 and b.physical_bytes() == U  # trimmed: the freed run goes at once
+    assert pa.num_reserved == 0  # trimmed: the freed run goes at once
+    b.flush_releases()
+    assert b.physical_bytes() == U
 
 
 def test_close_unmaps_and_rejects_calls():
