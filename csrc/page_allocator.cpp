@@ -243,7 +243,18 @@ void PageAllocator::map_pages(const std::vector<int64_t>& ids) {
   trimmed_ = false;
   publish_locked();
   if (!fresh.empty()) refresh_mem_info();
-  if (thread_.joinable() && static_cast<int64_t>(reserved_.size()) < min_reserved_) cv_.notify_one();
+  // Fresh pages beside a reserve: pages in use plus reserved may now pass the limit (or the
+  // reserve bound), which free_pages and the thread keep; give back what no page in use pins.
+  int64_t keep = std::min(max_reserved_, limit - (in_use + n));
+  if (static_cast<int64_t>(reserved_.size()) > keep) {
+    if (thread_.joinable()) {
+      cv_.notify_one();
+    } else {
+      shrink_reserved_locked(keep);
+    }
+  } else if (thread_.joinable() && static_cast<int64_t>(reserved_.size()) < min_reserved_) {
+    cv_.notify_one();
+  }
 }
 
 // Moves the n lowest reserved (mapped, unused) pages to in use; the caller holds mu_.

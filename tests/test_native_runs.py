@@ -217,6 +217,23 @@ def test_close_unmaps_runs_with_pages_in_use():
     assert all(pool.zero(p) for p in range(3))
 
 
+@pytest.mark.parametrize("cap", [0, 1])
+def test_map_pages_beside_a_reserve_keeps_the_limit(cap):
+    # found by the property test below: mapping fresh pages while freed pages sat reserved left 7 pages mapped
+    # against a limit of 5, one of them a run with no page in use
+    pool = Pool(max_reserved=3, max_run_pages=cap)
+    pa = pool.pa
+    assert pa.set_limit_pages(5)
+    pa.free_pages(pa.alloc_pages(1))
+    pa.map_pages([0, 12, 15, 1, 2])
+    pa.free_pages([2, 15])
+    pa.map_pages([13, 5])
+    assert pa.num_in_use == 5
+    assert len(pool.mapped_pages()) <= 5 or all(n_live for _, _, n_live in pa.runs())
+    pool.check_physical()
+    pool.close()
+
+
 OPS = st.one_of(
     st.tuples(st.just("alloc"), st.integers(1, 6)),
     st.tuples(st.just("free"), st.integers(0, 2**16)),
