@@ -277,7 +277,9 @@ def test_split_heuristic_fills_the_gpu():
     assert _pick_splits(1 * 8, 8192, 64, 132, hip=False)[0] >= 32
     # a batch below one wave of programs: the grid has room for runs of the batch's mean, the kernel plans them
     splits, balance, waves = _pick_splits(8 * 8, 8192, 64, 132, hip=False)
-    assert balance == 132 * 4 and waves == 2 and 8 <= splits <= 64
+    assert balance == 132 * 4 and waves == 1 and 8 <= splits <= 64
+    # a batch of more than a quarter of a wave of programs: the kernel checks for a second wave
+    assert _pick_splits(40 * 8, 8192, 64, 132, hip=False)[1:] == (132 * 4, 2)
     with cfg.override(split_waves=0):  # equal splits per sequence, one wave
         assert _pick_splits(8 * 8, 8192, 64, 132, hip=False) == (8, 0, 1)
     assert _pick_splits(256 * 8, 8192, 64, 132, hip=False) == (1, 0, 1)

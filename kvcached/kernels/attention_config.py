@@ -146,7 +146,13 @@ def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip:
     per_unit = _OVERRIDES.get("programs_per_sm", (2 if hip else 4) // (2 if rows > 16 else 1))
     slots = units * per_unit
     by_len = triton.cdiv(max_seq_len, max(min_keys, block_n))
-    waves = _OVERRIDES.get("split_waves", SPLIT_WAVES)
+    waves = _OVERRIDES.get("split_waves")
+    if waves is None:
+        # One wave's runs overflow it by at most a run per program (the ceil of each sequence's share), so
+        # only a batch of more than ~1/4 of a wave of programs needs the kernel's second-wave check; below,
+        # its extra pass over the lengths is a cost on the critical path (H200, decode_waves_h200.md:
+        # 8 x 8k 84.5 -> 89.2 us, 1 x 8k 29.5 -> 30.0 with the check on every batch).
+        waves = SPLIT_WAVES if programs * 4 > slots else 1
     if waves > 0 and programs < slots:
         # The kernel cuts each sequence into runs of about (the batch's keys / slots) keys, up to 1/8 over
         # that left whole; the grid has room for a sequence 4x the mean length, shorter ones leave their
