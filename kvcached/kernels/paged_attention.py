@@ -322,8 +322,8 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     chunks = triton.cdiv(group, block_h)
     tblocks = triton.cdiv(qmax, block_h // min(group, block_h))
     # Token blocks that will have work: all of them in a batch of short queries, one in a batch with a prefill
-    # (mostly single tokens beside a few chunks; H200, 4 chunks of 1024 + 60 decodes x 8k: counting all four
-    # blocks left the decodes unsplit, 770 us against 487 for the same decodes alone)
+    # (mostly single tokens beside a few chunks; H200, 4 chunks of 1024 + 60 decodes x 8k, prefill_tiles_h200.md
+    # runs 3-4: counting all four blocks left the decodes unsplit, 770 us against 487 for the decodes alone)
     busy = tblocks if max_query_len <= short_max(causal) else 1
     dc = cfg.decode_config(num_seqs, num_kv_heads * chunks * busy, head_pad, block_h, k_cache.element_size(),
                            max_seq_len, dev_index)
