@@ -10,8 +10,8 @@ tiles take the slots from ``query_start_loc[i] // per + i`` on, a bound the host
 without reading the device, and each program finds its sequence by binary search over
 those starts. A grid of ``max_query_len`` tiles for every sequence would launch a
 program for each tile of each decode in a mixed batch (60 decodes beside 4 chunks of
-1024: 15k programs that return at once, each holding a whole SM's shared memory while
-it does). Slots past a sequence's tiles return at once. Slots are visited last-first
+1024: 15k programs that return at once; about 18 us of that batch's 1559 on an H200,
+benchmarks/results/prefill_tiles_h200.md). Slots past a sequence's tiles return at once. Slots are visited last-first
 so the long causal tiles of a sequence start early. Key tiles are split in three
 runs: masked tiles at the sliding-window edge, unmasked interior tiles, masked tiles
 at the diagonal.
