@@ -6,7 +6,7 @@ the heads that share the KV head. A decode (one token) fills them with heads (16
 program); a short query (2 to ``SHORT_MAX``, 16, tokens: speculative-decoding checks,
 draft tokens, the tail of a chunked prefill) with all of its tokens times the group
 (64 rows a program), so each K/V tile is read once for every row that needs it
-instead of once per 128-row prefill tile per head. Rows are causal: token ``t`` of a
+instead of once per prefill tile of up to 64 tokens. Rows are causal: token ``t`` of a
 ``q_len``-token query sits at ``seq_len - q_len + t``. The split
 count is a run-time value: with ``num_splits`` 1 the program writes the output; with
 more, the context is cut in up to ``num_splits`` runs of whole ``BLOCK_N`` tiles (with
