@@ -27,15 +27,6 @@ BPP = (2 * MiB) // (BS * CELL)
 PAGES = 16
 
 
-def wait_until(cond, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}")
@@ -52,10 +43,10 @@ def _runtime(contiguous: bool = True) -> None:
 
 
 @pytest.fixture
-def manager(env):
+def manager(env, eventually):
     _runtime()
     m = KVCacheManager(PAGES * BPP, BS, CELL, LAYERS, world_size=1)
-    assert wait_until(lambda: m.page_allocator.get_num_reserved_pages() > 0)
+    assert eventually(lambda: m.page_allocator.get_num_reserved_pages() > 0, timeout=5.0)
     return m
 
 
@@ -164,7 +155,7 @@ def test_view_forwards_native_attributes(manager: KVCacheManager) -> None:
         pa.no_such_attribute  # noqa: B018
 
 
-def test_prealloc_thread_stop_and_restart(manager: KVCacheManager) -> None:
+def test_prealloc_thread_stop_and_restart(manager: KVCacheManager, eventually) -> None:
     pa = manager.page_allocator
     pa.stop_prealloc_thread()
     pa.stop_prealloc_thread()  # twice is fine
@@ -175,7 +166,7 @@ def test_prealloc_thread_stop_and_restart(manager: KVCacheManager) -> None:
     pa.start_prealloc_thread()
     pa.start_prealloc_thread()  # a no-op while it runs
     assert pa.prealloc_running
-    assert wait_until(lambda: pa.get_num_reserved_pages() >= 2)
+    assert eventually(lambda: pa.get_num_reserved_pages() >= 2, timeout=5.0)
     manager.free(got)
 
 
@@ -293,7 +284,7 @@ def test_standalone_pages_are_mapped(env) -> None:
     assert pa.get_num_reserved_pages() == 0
 
 
-def test_standalone_resize_and_prealloc(env) -> None:
+def test_standalone_resize_and_prealloc(env, eventually) -> None:
     _runtime()
     pa = _standalone(enable_page_prealloc=True)
     pages = [pa.alloc_page() for _ in range(3)]
@@ -302,7 +293,7 @@ def test_standalone_resize_and_prealloc(env) -> None:
     assert pa.resize(PAGES * 2 * MiB) is True and pa.get_num_total_pages() == PAGES  # up to the KV tensors
     assert pa.resize((PAGES + 1) * 2 * MiB) is False
     pa.start_prealloc_thread()
-    assert wait_until(lambda: pa.get_num_reserved_pages() >= 2)
+    assert eventually(lambda: pa.get_num_reserved_pages() >= 2, timeout=5.0)
     pa.stop_prealloc_thread()
     pa.free_pages([p.page_id for p in pages])
     pa.close()
@@ -359,7 +350,7 @@ def test_page_bad_inputs() -> None:
 
 
 # -- the vLLM-interface flow of the existing kvcached's manager test -----------------
-def test_vllm_interface_flow(env) -> None:
+def test_vllm_interface_flow(env, eventually) -> None:
     env.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "true")
     vllm_if.init_kvcached(tp_rank=0, world_size=1, is_worker=True, async_sched=False, device="cpu")
     try:
@@ -367,7 +358,7 @@ def test_vllm_interface_flow(env) -> None:
                                device="cpu", num_layers=LAYERS)
         assert vmm_ops.kv_tensors_created()
         m = KVCacheManager(num_blocks=4096, block_size=BS, cell_size=1024, num_layers=LAYERS, world_size=1)
-        assert wait_until(lambda: m.page_allocator.get_num_reserved_pages() > 0)
+        assert eventually(lambda: m.page_allocator.get_num_reserved_pages() > 0, timeout=5.0)
         m._wait_post_init()
         m.page_allocator.stop_prealloc_thread()
         before = m.available_size()

@@ -23,18 +23,6 @@ CELL = HEADS * HEAD * 2
 PAGES = 8
 
 
-def wait_until(cond, timeout: float = 2.0) -> bool:
-    """The prealloc thread unmaps a reserve above the cap shortly after a free: poll for it."""
-    import time
-
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def _env(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
     monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}")
     for k, v in values.items():
@@ -120,7 +108,7 @@ def test_alloc_free_basics(cache: Cache) -> None:
     assert m.num_allocated_blocks() == 0
 
 
-def test_live_blocks_survive_grow_shrink_trim_resize(cache: Cache) -> None:
+def test_live_blocks_survive_grow_shrink_trim_resize(cache: Cache, eventually) -> None:
     m = cache.mgr
     keep = m.alloc(70)  # spans two pages
     cache.stamp_each(keep)
@@ -143,7 +131,7 @@ def test_live_blocks_survive_grow_shrink_trim_resize(cache: Cache) -> None:
     # the cap applies as usage falls: at most one page group mapped above what keep needs
     in_use = {b // 64 for b in keep}
     assert m.page_allocator.num_in_use == len(in_use)
-    assert wait_until(lambda: m.mapped_bytes <= max(m.limit_pages, len(in_use)) * m.page_group_bytes)
+    assert eventually(lambda: m.mapped_bytes <= max(m.limit_pages, len(in_use)) * m.page_group_bytes, timeout=2.0)
     # grow back
     assert m.resize(PAGES * 2 * MiB) is True
     more = m.alloc(200)
@@ -154,7 +142,7 @@ def test_live_blocks_survive_grow_shrink_trim_resize(cache: Cache) -> None:
     m.free(more)
     m.trim()
     cache.check_each(keep)
-    assert wait_until(lambda: m.mapped_bytes == len(in_use) * m.page_group_bytes)
+    assert eventually(lambda: m.mapped_bytes == len(in_use) * m.page_group_bytes, timeout=2.0)
 
 
 def test_reserve_then_alloc_uses_the_reservation(cache: Cache) -> None:
@@ -174,7 +162,7 @@ def test_reserve_then_alloc_uses_the_reservation(cache: Cache) -> None:
     m.free(got)
 
 
-def test_clear_frees_everything(cache: Cache) -> None:
+def test_clear_frees_everything(cache: Cache, eventually) -> None:
     m = cache.mgr
     m.alloc(130)
     m.try_to_reserve(7)
@@ -182,7 +170,7 @@ def test_clear_frees_everything(cache: Cache) -> None:
     assert m.num_allocated_blocks() == 0
     assert m.available_size() == cache.num_blocks
     m.trim()
-    assert wait_until(lambda: m.mapped_bytes == 0)
+    assert eventually(lambda: m.mapped_bytes == 0, timeout=2.0)
 
 
 def test_null_block_is_held_and_protected(monkeypatch: pytest.MonkeyPatch) -> None:
