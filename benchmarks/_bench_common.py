@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
 import os
 import re
 import shlex
@@ -16,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -169,6 +171,17 @@ def _fmt(v: object) -> str:
 
 
 # -- attention pieces shared by bench_kernels.py and bench_peers.py ------------------------------
+def kernel_modules(root: str) -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
+    """kvcached from the checkout at ``root`` (a sweep's A/B imports another) and its paged_attention,
+    attention_config and reference modules, by module path (the package re-exports a function named
+    paged_attention). Call it before anything imports kvcached."""
+    sys.path.insert(0, os.path.abspath(root))
+    import kvcached
+
+    names = ("paged_attention", "attention_config", "reference")
+    return (kvcached, *(importlib.import_module(f"kvcached.kernels.{m}") for m in names))
+
+
 def kv_cache(layout, num_blocks: int, layers: int, device: torch.device):
     """Layer 0 (per-layer) or the last layer (contiguous) of a real layout, filled with random bf16."""
     from kvcached.layout import KVGeometry, KVSpec, allocate_plain, k_v_views

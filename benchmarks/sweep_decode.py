@@ -15,10 +15,7 @@ register / spill / shared-memory use of every decode kernel compiled (GPU only).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
-import sys
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--root", default=".", help="the kvcached checkout to import (for an A/B against another)")
@@ -26,17 +23,11 @@ ap.add_argument("--tag", default="head", help="label of the printed lines")
 ap.add_argument("--cases", default="64x8192x1", help="comma-separated BxCxQ")
 ap.add_argument("--sweep", default="[{}]", help="JSON list of override knob sets")
 ARGS = ap.parse_args()
-sys.path.insert(0, os.path.abspath(ARGS.root))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS, graph_time_us, time_us  # noqa: E402
+from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS, graph_time_us, kernel_modules, time_us  # noqa: E402
 
-import kvcached  # noqa: E402
-
-pa = importlib.import_module("kvcached.kernels.paged_attention")  # the package re-exports a function of this name
-cfg = importlib.import_module("kvcached.kernels.attention_config")
-ref = importlib.import_module("kvcached.kernels.reference")
+kvcached, pa, cfg, ref = kernel_modules(ARGS.root)
 
 
 def run_case(case: str, sweep: list[dict], dev: torch.device) -> None:

@@ -28,6 +28,8 @@ T, H, D, BS = 65536, 8, 128, 16
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_kv_write.py times GPU kernels: it needs a CUDA or ROCm GPU.")
     nb = T // BS * 2
     key = torch.randn(T, H, D, dtype=torch.bfloat16, device=DEV)
     val = torch.randn(T, H, D, dtype=torch.bfloat16, device=DEV)

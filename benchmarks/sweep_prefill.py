@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import statistics
-import sys
 import zlib
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -33,18 +31,25 @@ ap.add_argument("--tiles", default="256x64x16x3,256x64x8x3,128x128x8x3,256x64x16
 ap.add_argument("--profile", action="store_true", help="per-kernel times of the mixed batch (torch.profiler)")
 ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
 ARGS = ap.parse_args()
-sys.path.insert(0, os.path.abspath(ARGS.root))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _bench_common import BLOCK, DT, HEAD, Q_HEADS, Table, environment, gpu_slug, graph_time_us, kv_cache, write_report  # noqa: E402, E501
+from _bench_common import (  # noqa: E402
+    BLOCK,
+    DT,
+    HEAD,
+    Q_HEADS,
+    Table,
+    environment,
+    gpu_slug,
+    graph_time_us,
+    kernel_modules,
+    kv_cache,
+    write_report,
+)
 
-import kvcached  # noqa: E402
+kvcached, pa, cfg, ref = kernel_modules(ARGS.root)
 from kvcached.layout import Layout  # noqa: E402
 
-pa = importlib.import_module("kvcached.kernels.paged_attention")  # the package re-exports a function of this name
-cfg = importlib.import_module("kvcached.kernels.attention_config")
-ref = importlib.import_module("kvcached.kernels.reference")
 DEV = torch.device("cuda")
 
 CASES = [
@@ -105,6 +110,8 @@ def profile(fn) -> str:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_prefill.py times GPU kernels: it needs a CUDA or ROCm GPU.")
     tiles = [tuple(int(x) for x in c.split("x")) for c in ARGS.tiles.split(",") if c]
     tab = Table(f"Prefill tiles ({ARGS.tag}: {os.path.relpath(os.path.dirname(kvcached.__file__))})",
                 ["case", "tile (rows x keys, warps, stages)", "us (median)", "min..max", "TFLOP/s", "max err",
