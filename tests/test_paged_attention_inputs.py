@@ -194,11 +194,11 @@ def test_compile_variants_per_target(target):
     tiles = {(v.constexprs["HEAD_PAD"], v.constexprs["PAD_D"]) for v in variants if "PAD_D" in v.constexprs}
     assert tiles == {(32, False), (64, False), (128, False), (128, True), (256, False)}
     # block size, group, split count and feature values are run-time arguments: a small, fixed list
-    # (dtype pairs x 5 tiles x (decode rows 16 and 64, prefill) x FEATURES, plus the reduce per query
+    # (dtype pairs x 5 tiles x (decode rows 16, 32 and 64, prefill) x FEATURES, plus the reduce per query
     # dtype x 4 tiles)
     pairs = 4 if target in ("sm90", "gfx942", "gfx950") else 2
-    assert len(variants) == pairs * 5 * 3 * 2 + 2 * 4
-    assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == {16, 64}
+    assert len(variants) == pairs * 5 * 4 * 2 + 2 * 4
+    assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == {16, 32, 64}
 
 
 def _feature_sets():

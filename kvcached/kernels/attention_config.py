@@ -27,10 +27,11 @@ class DecodeConfig:
     balance: int = 0  # programs in one wave, which the kernel spreads the batch's keys over (0: equal splits)
     waves: int = 1  # waves of programs the kernel plans with ``balance``
     run_floor: int = 0  # keys: runs shorter than this (and than one wave's runs) are not cut
+    maxnreg: int = 0  # NVIDIA only: registers a thread may use (0 = the compiler's choice)
 
     @property
     def options(self) -> dict[str, int]:
-        return launch_options(self.num_warps, self.num_stages, self.waves_per_eu)
+        return launch_options(self.num_warps, self.num_stages, self.waves_per_eu, maxnreg=self.maxnreg)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ KNOBS = (
     "decode_waves_per_eu",
     "decode_fused_reduce",
     "short_num_warps",
+    "short_rows",
+    "tb_inner",
+    "decode_maxnreg",
     "prefill_block_m",
     "prefill_block_n",
     "prefill_num_warps",
@@ -68,6 +72,7 @@ KNOBS = (
     "programs_per_sm",
     "split_waves",
     "split_run_floor",
+    "split_room",
 )
 
 
@@ -90,11 +95,22 @@ def decode_tile(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> Dec
     return replace(base, block_n=o.get("decode_block_n", base.block_n),
                    num_warps=o.get("decode_num_warps", base.num_warps),
                    num_stages=o.get("decode_num_stages", base.num_stages),
-                   waves_per_eu=o.get("decode_waves_per_eu", base.waves_per_eu))
+                   waves_per_eu=o.get("decode_waves_per_eu", base.waves_per_eu),
+                   maxnreg=o.get("decode_maxnreg", base.maxnreg))
+
+
+def short_rows(default: int) -> int:
+    """Query rows of a short-query program (``override(short_rows=)`` for sweeps)."""
+    return _OVERRIDES.get("short_rows", default)
+
+
+def token_blocks_inner(default: bool) -> bool:
+    """Launch a sequence's token blocks side by side (``override(tb_inner=)`` for sweeps)."""
+    return bool(_OVERRIDES.get("tb_inner", default))
 
 
 def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: bool, hopper: bool = False) -> int:
-    """Warps of a decode program with ``rows`` query rows (16: single tokens; 64: short queries).
+    """Warps of a decode program with ``rows`` query rows (16: single tokens; 32 or 64: short queries).
 
     H200, bf16 32/8 heads d128, 64 x 8k, graph replay (decode_knobs_h200.md, run A): the 64-row tile
     took 1191 us at 8 warps and 660 at 4 (one warpgroup holds all 64 rows, so Hopper's wgmma takes the
@@ -107,6 +123,11 @@ def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: 
     knob = _OVERRIDES.get("short_num_warps")
     if knob is not None:
         return knob
+    if rows <= 32:
+        # H200, 64 x 8k x q8 (decode_knobs_h200.md, runs E-F): 2 warps 547 us, 4 warps 671. Planned as 2 programs
+        # an SM like the 64-row tile: as 4 (one wave, so the kernel's split plan and its empty programs run) 600.
+        # Elsewhere unmeasured: 4 warps, the 16-row tile's register load per warp.
+        return 2 if hopper and not hip and head_pad <= 128 and kv_itemsize == 2 and not interp else 4
     if interp or head_pad < 128 or (hopper and not hip and head_pad == 128):
         return 4
     return 8
@@ -162,7 +183,8 @@ def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip:
         # (benchmarks/results/decode_waves_h200.md): 64 of 256-16k keys 715 -> 614 us; two waves for every
         # batch cost 8 x 8k +3 %, 4 x 32k +5 %, and 64 x 8k x q16 +16 % (it was split at all), hence the
         # kernel's test and no split for a batch that fills a wave.
-        splits = max(1, min(triton.cdiv(4 * slots, max(programs, 1)), by_len, 128))
+        room = _OVERRIDES.get("split_room", 4)
+        splits = max(1, min(triton.cdiv(room * slots, max(programs, 1)), by_len, 128))
         return (splits, slots, waves) if splits > 1 else (1, 0, 1)
     # floor, not ceil: one program past a full wave costs a whole extra wave (H200, batch 8 x 8k:
     # 9 splits = 576 programs on 528 slots took 100 us, 8 splits 82 us)
@@ -272,13 +294,16 @@ def fused_reduce(device: torch.device) -> bool:
 
 
 def launch_options(num_warps: int, num_stages: int, waves_per_eu: int, hip: bool | None = None,
-                   interp: bool | None = None) -> dict[str, int]:
-    """Keyword options for a kernel launch; ``waves_per_eu`` only where Triton-ROCm takes it."""
+                   interp: bool | None = None, maxnreg: int = 0) -> dict[str, int]:
+    """Keyword options for a kernel launch; ``waves_per_eu`` only where Triton-ROCm takes it, ``maxnreg``
+    only where Triton's NVIDIA backend does."""
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     hip = is_hip() if hip is None else hip
     interp = interpreting() if interp is None else interp
     if hip and waves_per_eu and not interp:
         opts["waves_per_eu"] = waves_per_eu
+    if maxnreg and not hip and not interp:
+        opts["maxnreg"] = maxnreg
     return opts
 
 

@@ -5,8 +5,8 @@ of the ``tl.dot`` are (query token, query head) pairs, up to ``BLOCK_H`` of them
 the heads that share the KV head. A decode (one token) fills them with heads (16 a
 program); a short query (2 to ``SHORT_MAX``, 16, tokens: speculative-decoding checks,
 draft tokens, the tail of a chunked prefill) with all of its tokens times the group
-(64 rows a program), so each K/V tile is read once for every row that needs it
-instead of once per prefill tile of up to 64 tokens. Rows are causal: token ``t`` of a
+(32 or 64 rows a program, the smallest that holds them), so each K/V tile is read once
+for every row that needs it instead of once per prefill tile of up to 64 tokens. Rows are causal: token ``t`` of a
 ``q_len``-token query sits at ``seq_len - q_len + t``. The split
 count is a run-time value: with ``num_splits`` 1 the program writes the output; with
 more, the context is cut in up to ``num_splits`` runs of whole ``BLOCK_N`` tiles (with
@@ -30,7 +30,7 @@ from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
 # run-time scalars whose value must not make Triton compile another specialisation
 _NO_SPECIALISE = ["group", "bs_shift", "num_splits", "balance", "waves", "run_floor", "fused", "window", "causal",
-                  "has_alibi", "has_sinks", "qmax", "tblocks"]
+                  "has_alibi", "has_sinks", "qmax", "tblocks", "tb_inner"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -63,6 +63,7 @@ def decode_kernel(
     fused,
     qmax,
     tblocks,
+    tb_inner,
     head_size,
     stride_qt,
     stride_qh,
@@ -81,14 +82,24 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,
     FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
+    UNMASKED: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    seq = tl.program_id(0)
     hslot = tl.program_id(1)  # kv_head * chunks + chunk
-    # token block fastest: the programs of a batch's first token block (all of them, for single tokens) are
-    # launched first and spread evenly over the GPU; the other blocks (most return at once) follow
-    tb = tl.program_id(2) % tblocks
-    split = tl.program_id(2) // tblocks
+    if tb_inner != 0:
+        # every token block has work (a batch of short queries): a sequence's blocks are launched side by
+        # side, so they read the same K/V tiles at about the same time and all but the first find them in L2
+        seq = tl.program_id(0) // tblocks
+        tb = tl.program_id(0) % tblocks
+        split = tl.program_id(2)
+        num_seqs = tl.num_programs(0) // tblocks
+    else:
+        # beside a prefill most sequences are single tokens: the first token block of every sequence is
+        # launched first and spread evenly over the GPU; the other blocks (most return at once) follow
+        seq = tl.program_id(0)
+        tb = tl.program_id(2) % tblocks
+        split = tl.program_id(2) // tblocks
+        num_seqs = tl.num_programs(0)
     slot = hslot * tblocks + tb
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -133,9 +144,9 @@ def decode_kernel(
         # the time). The sum is read here, not on the host, so a replayed CUDA graph plans afresh. Token
         # blocks are not counted here: the host divides ``balance`` by those it expects to have work.
         total = (seq_len * 0).to(tl.int64)
-        for b0 in range(0, tl.num_programs(0), 256):
+        for b0 in range(0, num_seqs, 256):
             bs = b0 + tl.arange(0, 256)
-            total += tl.sum(tl.load(seq_lens_ptr + bs, mask=bs < tl.num_programs(0), other=0).to(tl.int64), 0)
+            total += tl.sum(tl.load(seq_lens_ptr + bs, mask=bs < num_seqs, other=0).to(tl.int64), 0)
         per_program = tl.maximum(tl.cdiv(total * tl.num_programs(1), balance), 1)
         if waves > 1:
             # One wave's runs leave a second, mostly idle wave when lengths are uneven (every short sequence
@@ -143,11 +154,11 @@ def decode_kernel(
             # (nor above one wave's), so the GPU's scheduler packs them. Equal lengths keep one wave.
             run1 = per_program + per_program // 8
             n1 = (seq_len * 0).to(tl.int64)
-            for b0 in range(0, tl.num_programs(0), 256):
+            for b0 in range(0, num_seqs, 256):
                 bs = b0 + tl.arange(0, 256)
-                ln = tl.load(seq_lens_ptr + bs, mask=bs < tl.num_programs(0), other=0)
+                ln = tl.load(seq_lens_ptr + bs, mask=bs < num_seqs, other=0)
                 runs = tl.minimum(tl.maximum(tl.cdiv(ln, run1), 1), num_splits)
-                n1 += tl.sum(tl.where(bs < tl.num_programs(0), runs, 0).to(tl.int64), 0)
+                n1 += tl.sum(tl.where(bs < num_seqs, runs, 0).to(tl.int64), 0)
             if n1 * tl.num_programs(1) > balance:
                 per_program = tl.maximum(tl.cdiv(per_program, waves), tl.minimum(per_program, run_floor))
         # up to 1/8 over the mean stays whole: a batch of equal lengths that fills the GPU keeps one run each
@@ -183,7 +194,19 @@ def decode_kernel(
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(lo, hi, BLOCK_N):
+    # UNMASKED (the 64-row tile on NVIDIA, without features): the tiles below the first row's position are seen
+    # whole by every row, so they go without masks. H200, bf16 d128, graph replay (decode_knobs_h200.md, run G):
+    # 64 x 8k x q16 658 -> 641 us; the 16- and 32-row tiles lost 1-2 % (registers spilled), so they keep one loop.
+    full_hi = lo
+    if UNMASKED:
+        full_hi = tl.maximum(tl.minimum(((ctx + t0 + 1) // BLOCK_N) * BLOCK_N, hi), lo)
+    for start in range(lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = attn_tile(
+            acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
+            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
+            BLOCK_N, PAD_D, False, True, FEATURES, FP8_KV, INTERP,
+        )  # fmt: skip
+    for start in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = attn_tile(
             acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
             stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
@@ -204,7 +227,7 @@ def decode_kernel(
         # part_ptr: outputs [num_seqs, qmax, num_heads, num_splits, HEAD_PAD], then (max, sum) [..., 2], then
         # how many partials each (token row, head) has [num_seqs, qmax, num_heads] (for reduce_kernel)
         num_heads = tl.num_programs(1) // chunks * group
-        rows_total = tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits
+        rows_total = num_seqs.to(tl.int64) * qmax * num_heads * num_splits
         part_ml_ptr = part_ptr + rows_total * HEAD_PAD
         prow = seq.to(tl.int64) * qmax + t
         row = (prow * num_heads + heads) * num_splits + split

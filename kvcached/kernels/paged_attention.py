@@ -33,7 +33,7 @@ Scale = torch.Tensor | float | None
 
 
 BLOCK_H = 16  # query rows (heads) per decode program (a larger group takes several programs per KV head)
-SHORT_BLOCK_H = 64  # query rows (tokens x heads) per program of a short query
+SHORT_ROWS = (32, 64)  # query rows (tokens x heads) per program of a short query: the smallest that holds it
 SHORT_MAX = 16  # causal queries up to this many tokens go through the decode kernel's rows
 
 
@@ -244,12 +244,17 @@ def short_max(causal: bool) -> int:
 
 
 def decode_rows(group: int, max_query_len: int, causal: bool) -> int:
-    """The decode kernel's rows: 16 for single tokens; 64 (tokens x heads) for a batch of short queries that
-    16 cannot hold. A batch with a prefill keeps 16: its short queries, if any, take a program per few tokens,
-    and its single-token sequences (the usual mix) keep the decode tile."""
-    if max_query_len > short_max(causal) or max_query_len * min(group, BLOCK_H) <= BLOCK_H:
+    """The decode kernel's rows: 16 for single tokens; 32 or 64 (tokens x heads) for a batch of short queries
+    that 16 cannot hold. A batch with a prefill keeps 16: its short queries, if any, take a program per few
+    tokens, and its single-token sequences (the usual mix) keep the decode tile.
+
+    32 rows where they hold the query: H200, bf16 32/8 heads d128, 64 x 8k x q8, graph replay
+    (benchmarks/results/decode_knobs_h200.md, run E): 547 us at 32 rows (2 warps) against 656 at 64.
+    """
+    rows = max_query_len * min(group, BLOCK_H)
+    if max_query_len > short_max(causal) or rows <= BLOCK_H:
         return BLOCK_H
-    return SHORT_BLOCK_H
+    return cfg.short_rows(next(r for r in SHORT_ROWS if r >= rows or r == SHORT_ROWS[-1]))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -268,12 +273,13 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     dc = cfg.decode_tile(head_pad, itemsize, hip, interp)
     block_h = decode_rows(group, max_query_len, causal)
     const = {"BLOCK_H": block_h, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
-             "FEATURES": decode_features, "FP8_KV": fp8, "INTERP": interp}
-    short = "-short" if block_h == SHORT_BLOCK_H else ""
+             "FEATURES": decode_features, "FP8_KV": fp8,
+             "UNMASKED": block_h == SHORT_ROWS[-1] and not decode_features and not hip, "INTERP": interp}
+    short = f"-short{block_h}" if block_h > BLOCK_H else ""
     warps = cfg.decode_warps(block_h, head_pad, itemsize, hip, interp, hopper=big_smem)
     out.append(CompileVariant(f"attn_decode{short}[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
                               decode_kernel, _signature(decode_kernel, qt, kt), const,
-                              cfg.launch_options(warps, dc.num_stages, dc.waves_per_eu, hip, interp)))
+                              cfg.launch_options(warps, dc.num_stages, dc.waves_per_eu, hip, interp, dc.maxnreg)))
     if num_splits > 1 and not fused:
         out.append(CompileVariant(f"attn_reduce[{qt}-d{head_pad}]", reduce_kernel, _signature(reduce_kernel, qt, kt),
                                   {"HEAD_PAD": head_pad}, {"num_warps": 4, "num_stages": 1}))
@@ -344,12 +350,16 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             lock = _lock_buffer(dev, num_seqs * num_kv_heads * chunks * tblocks)
     else:
         part = dummy
+    tb_inner = cfg.token_blocks_inner(busy == tblocks > 1)
+    grid = (num_seqs * tblocks, num_kv_heads * chunks, num_splits) if tb_inner else \
+        (num_seqs, num_kv_heads * chunks, tblocks * num_splits)
     for v in plan:
         if v.fn is decode_kernel:
-            decode_kernel[(num_seqs, num_kv_heads * chunks, tblocks * num_splits)](
+            decode_kernel[grid](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                 part, lock, scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
-                num_splits, balance, dc.waves, dc.run_floor, int(fused), qmax, tblocks, head_size, *q_strides,
+                num_splits, balance, dc.waves, dc.run_floor, int(fused), qmax, tblocks, int(tb_inner), head_size,
+                *q_strides,
                 *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
             )
         elif v.fn is reduce_kernel:
@@ -516,8 +526,9 @@ def compile_variants(target: str) -> list[CompileVariant]:
             for head in HEAD_SIZES:
                 for any_feature in (False, True):
                     for fused in (False, True):
-                        # max_query_len 2 (16 rows hold it at group 4), 16 (the short tile), 17 (with prefill)
-                        for qlen in (2, SHORT_MAX, SHORT_MAX + 1):
+                        # max_query_len 2 (16 rows hold it at group 4), 8 and 16 (the 32- and 64-row short
+                        # tiles), 17 (with a prefill)
+                        for qlen in (2, 8, SHORT_MAX, SHORT_MAX + 1):
                             for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0,
                                             alibi=any_feature, sinks=False, max_query_len=qlen, num_splits=2,
                                             fused=fused, hip=hip, big_smem=big_smem, interp=False):
