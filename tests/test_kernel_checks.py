@@ -77,6 +77,7 @@ ATTN_BAD = {
     "qsl-decreasing": (_qsl([0, 3, 2]), r"query_start_loc\[2\] = 2 is below query_start_loc\[1\] = 3"),
     "qsl-end-not-num-tokens": (_qsl([0, 1, 4]), r"query_start_loc\[2\] = 4 but the query has 5 tokens"),
     "query-past-max-query-len": (_kw(max_query_len=3), r"sequence 1 has 4 query tokens, more than max_query_len = 3"),
+    "query-below-min-query-len": (_kw(min_query_len=2), r"sequence 0 has 1 query tokens, fewer than min_query_len = 2"),
 }
 
 

@@ -9,6 +9,7 @@ element all give errors far above it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -189,6 +190,33 @@ def test_short_queries_beside_a_prefill(fused):
     with cfg.override(decode_fused_reduce=fused):
         run_case(q_lens=[4, 40, 1, 16, 3], seq_lens=[45, 40, 17, 70, 3], splits=3, seed=23)
         run_case(q_lens=[7, 2], seq_lens=[90, 130], num_heads=8, num_kv_heads=1, splits=5, seed=24)
+
+
+@pytest.mark.parametrize("min_query_len", [None, 16, 17])
+def test_prefills_only_skip_the_decode_launch(min_query_len, monkeypatch):
+    # min_query_len above SHORT_MAX: every query goes to the prefill kernel, so the decode kernel is not launched;
+    # without the bound (or at SHORT_MAX and below) it is, since a sequence might be short
+    pa = importlib.import_module("kvcached.kernels.paged_attention")
+    launched = []
+    run = pa.decode_kernel.run
+
+    def spy(*args, **kwargs):
+        launched.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(pa.decode_kernel, "run", spy)  # kernel[grid](...) calls the instance's run
+    q_lens, seq_lens = [40, 17, 33], [90, 17, 70]
+    gen = torch.Generator().manual_seed(28)
+    k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=2, head_size=32, block_size=16,
+                               dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
+    query, bt, sl, qsl = random_batch(q_lens, seq_lens, 4, 32, 16, k.shape[0], torch.float16, generator=gen,
+                                      device=DEVICE)
+    with cfg.override(decode_num_splits=3):
+        out = paged_attention(query, k, v, bt, sl, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                              min_query_len=min_query_len)
+    assert bool(launched) == (min_query_len is None or min_query_len <= 16)
+    err = relative_error(out, paged_attention_ref(query, k, v, bt, sl, qsl))
+    assert err < TOL[torch.float16], f"relative error {err:.3e}"
 
 
 def test_prefill_slots_behind_decodes():

@@ -99,6 +99,12 @@ def _mutate(name):
         kw["scale"] = 0.0
     elif name == "scale_negative":
         kw["scale"] = -0.1
+    elif name == "min_query_len_zero":
+        kw["min_query_len"] = 0
+    elif name == "min_query_len_above_max":
+        kw["min_query_len"] = 5
+    elif name == "min_query_len_bool":
+        kw["min_query_len"] = True
     return args, kw
 
 
@@ -134,6 +140,9 @@ BAD = {
     "scale_nan": "scale must be",
     "scale_zero": "scale must be a positive",
     "scale_negative": "scale must be a positive",
+    "min_query_len_zero": "min_query_len must be",
+    "min_query_len_above_max": r"min_query_len must be None or an int in \[1, max_query_len = 4\]",
+    "min_query_len_bool": "min_query_len must be",
 }
 
 

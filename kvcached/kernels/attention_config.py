@@ -12,9 +12,8 @@ import functools
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
-from kvcached.kernels.platform import interpreting, is_hip, override_knobs
+from kvcached.kernels.platform import cdiv, interpreting, is_hip, override_knobs
 
 
 @dataclass(frozen=True)
@@ -166,7 +165,7 @@ def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip:
     min_keys = _OVERRIDES.get("min_keys_per_split", 128)
     per_unit = _OVERRIDES.get("programs_per_sm", (2 if hip else 4) // (2 if rows > 16 else 1))
     slots = units * per_unit
-    by_len = triton.cdiv(max_seq_len, max(min_keys, block_n))
+    by_len = cdiv(max_seq_len, max(min_keys, block_n))
     waves = _OVERRIDES.get("split_waves")
     if waves is None:
         # One wave's runs overflow it by at most a run per program (the ceil of each sequence's share), so
@@ -184,7 +183,7 @@ def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip:
         # batch cost 8 x 8k +3 %, 4 x 32k +5 %, and 64 x 8k x q16 +16 % (it was split at all), hence the
         # kernel's test and no split for a batch that fills a wave.
         room = _OVERRIDES.get("split_room", 4)
-        splits = max(1, min(triton.cdiv(room * slots, max(programs, 1)), by_len, 128))
+        splits = max(1, min(cdiv(room * slots, max(programs, 1)), by_len, 128))
         return (splits, slots, waves) if splits > 1 else (1, 0, 1)
     # floor, not ceil: one program past a full wave costs a whole extra wave (H200, batch 8 x 8k:
     # 9 splits = 576 programs on 528 slots took 100 us, 8 splits 82 us)

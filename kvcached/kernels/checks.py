@@ -106,7 +106,7 @@ def _seq_len_problems(seq_lens: torch.Tensor, max_seq_len: int) -> list[Problem]
 
 def check_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-                          max_seq_len: int, scales: dict[str, torch.Tensor | None]) -> None:
+                          max_seq_len: int, scales: dict[str, torch.Tensor | None], min_query_len: int = 1) -> None:
     num_tokens, num_seqs = query.shape[0], block_table.shape[0]
     qsl = query_start_loc.long()
     sl = seq_lens.long()
@@ -119,6 +119,8 @@ def check_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, block_tabl
                                            f"{num_tokens} tokens; the last offset must equal that."),
         (q_len > max_query_len, lambda i: f"sequence {i[0]} has {int(q_len[i])} query tokens, more than "
                                           f"max_query_len = {max_query_len}."),
+        (q_len < min_query_len, lambda i: f"sequence {i[0]} has {int(q_len[i])} query tokens, fewer than "
+                                          f"min_query_len = {min_query_len}."),
         *_seq_len_problems(seq_lens, max_seq_len),
         (sl < q_len, lambda i: f"seq_lens[{i[0]}] = {int(sl[i])} is shorter than its {int(q_len[i])} query tokens; "
                                "seq_lens include the new tokens."),

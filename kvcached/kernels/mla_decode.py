@@ -27,9 +27,11 @@ from kvcached.kernels import checks
 from kvcached.kernels.platform import (
     FP8_DTYPES,
     CompileVariant,
+    cdiv,
     direct_launch_ok,
     interpreting,
     is_hip,
+    next_pow2,
     override_knobs,
 )
 from kvcached.kernels.write_kv import unit_scale
@@ -187,9 +189,9 @@ def choose_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: t
         units = 2  # interpreter: small, but still exercises the split path
     else:
         units = _num_units(device.index if device.index is not None else torch.cuda.current_device())
-    programs = num_seqs * triton.cdiv(num_heads, block_h)
-    want = triton.cdiv(_OVERRIDES.get("programs_per_unit", 4) * units, max(programs, 1))
-    by_len = triton.cdiv(max(max_seq_len, 1), _OVERRIDES.get("min_tokens_per_split", 128))
+    programs = num_seqs * cdiv(num_heads, block_h)
+    want = cdiv(_OVERRIDES.get("programs_per_unit", 4) * units, max(programs, 1))
+    by_len = cdiv(max(max_seq_len, 1), _OVERRIDES.get("min_tokens_per_split", 128))
     return max(1, min(want, by_len, _OVERRIDES.get("max_splits", 128)))
 
 
@@ -210,7 +212,7 @@ def _launch(
     hip = is_hip()
     cfg = launch_config(num_heads, hip)
     rope = head_size - kv_lora_rank
-    block_dv = triton.next_power_of_2(kv_lora_rank)
+    block_dv = next_pow2(kv_lora_rank)
     split = num_splits > 1
     if split:
         part = torch.empty(num_seqs, num_heads, num_splits, block_dv, dtype=torch.float32, device=query.device)
@@ -218,12 +220,12 @@ def _launch(
     else:
         part = lse = out  # unused
     opts = {k: cfg[k] for k in ("num_warps", "num_stages", "waves_per_eu") if k in cfg}
-    grid = (num_seqs, triton.cdiv(num_heads, cfg["BLOCK_H"]), num_splits)
+    grid = (num_seqs, cdiv(num_heads, cfg["BLOCK_H"]), num_splits)
     _mla_decode_kernel[grid](
         query, kv_cache, block_table, seq_lens, out, part, lse, kv_scale,
         scale * _LOG2E, num_heads, kv_cache.shape[1], num_splits,
         *query.stride(), *kv_cache.stride(), *block_table.stride(), *out.stride(),
-        KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_DV=block_dv, BLOCK_DPE=triton.next_power_of_2(max(rope, 1)),
+        KV_LORA=kv_lora_rank, ROPE=rope, BLOCK_DV=block_dv, BLOCK_DPE=next_pow2(max(rope, 1)),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, KV_FP8=kv_cache.dtype in FP8_DTYPES,
         DOT_FP32=interpreting(), **opts,
     )

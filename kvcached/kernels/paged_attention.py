@@ -16,13 +16,20 @@ import functools
 import math
 
 import torch
-import triton
 
 from kvcached.kernels import attention_config as cfg
 from kvcached.kernels import checks
 from kvcached.kernels.attention_decode import decode_kernel, reduce_kernel
 from kvcached.kernels.attention_prefill import prefill_kernel
-from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, direct_launch_ok, interpreting, is_hip
+from kvcached.kernels.platform import (
+    FP8_DTYPES,
+    CompileVariant,
+    cdiv,
+    direct_launch_ok,
+    interpreting,
+    is_hip,
+    next_pow2,
+)
 from kvcached.kernels.write_kv import _target_fp8 as _write_kv_target_fp8
 
 HEAD_SIZES = (32, 64, 80, 96, 128, 256)
@@ -125,7 +132,7 @@ def _lock_buffer(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len,
-              scale, causal, sliding_window, softcap, alibi_slopes, sinks, out) -> None:
+              scale, causal, sliding_window, softcap, alibi_slopes, sinks, out, min_query_len=None) -> None:
     # Runs on every call, ahead of a ~10 us kernel: each shape/stride/device is read once.
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
                     ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
@@ -194,6 +201,10 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
             _fail(f"{name} must be a positive int (host-side bound used to size the grid), got {v!r}.")
     if max_query_len > max_seq_len:
         _fail(f"max_query_len {max_query_len} exceeds max_seq_len {max_seq_len}; seq_lens include the new tokens.")
+    if min_query_len is not None and (isinstance(min_query_len, bool) or not isinstance(min_query_len, int)
+                                      or not 1 <= min_query_len <= max_query_len):
+        _fail(f"min_query_len must be None or an int in [1, max_query_len = {max_query_len}] (a bound on every "
+              f"sequence's query tokens, like max_query_len), got {min_query_len!r}.")
     if bt_shape[1] * block_size < max_seq_len:
         _fail(f"block_table has {bt_shape[1]} columns x block size {block_size} = "
               f"{bt_shape[1] * block_size} tokens, fewer than max_seq_len {max_seq_len}.")
@@ -261,7 +272,7 @@ def decode_rows(group: int, max_query_len: int, causal: bool) -> int:
 def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks, max_query_len,
             num_splits, fused, hip, big_smem, interp, overrides) -> tuple:
     qt, kt = _TRITON_DTYPE[q_dtype], _TRITON_DTYPE[kv_dtype]
-    head_pad = triton.next_power_of_2(head_size)
+    head_pad = next_pow2(head_size)
     fp8 = kv_dtype != q_dtype
     itemsize = 1 if fp8 else 2
     decode_features = window > 0 or softcap > 0 or alibi or sinks
@@ -295,14 +306,14 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
 
 
 def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len, max_seq_len,
-            scale, causal, sliding_window, softcap, alibi_slopes, sinks, k_scale, v_scale) -> None:
+            scale, causal, sliding_window, softcap, alibi_slopes, sinks, k_scale, v_scale, min_query_len=1) -> None:
     num_tokens, num_heads, head_size = query.shape
     num_seqs = block_table.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    head_pad = triton.next_power_of_2(head_size)
+    head_pad = next_pow2(head_size)
     fp8 = k_cache.dtype != query.dtype
     dev = query.device
     dummy = _dummy(dev)
@@ -325,8 +336,8 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     # max_query_len below the real one then leaves rows to nobody, as before, but never writes out of bounds)
     qmax = max(1, min(max_query_len, short_max(causal)))
     block_h = decode_rows(group, max_query_len, causal)
-    chunks = triton.cdiv(group, block_h)
-    tblocks = triton.cdiv(qmax, block_h // min(group, block_h))
+    chunks = cdiv(group, block_h)
+    tblocks = cdiv(qmax, block_h // min(group, block_h))
     # Token blocks that will have work: all of them in a batch of short queries, one in a batch with a prefill
     # (mostly single tokens beside a few chunks; H200, 4 chunks of 1024 + 60 decodes x 8k, prefill_tiles_h200.md
     # runs 3-4: counting all four blocks left the decodes unsplit, 770 us against 487 for the decodes alone)
@@ -341,7 +352,7 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
                   max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
                   big_smem=cfg.large_shared_memory(dev_index), interp=interp)
     lock = dummy
-    if num_splits > 1:
+    if num_splits > 1 and min_query_len <= short_max(causal):
         # one workspace: [num_seqs, qmax, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs, then
         # the partials each (token row, head) has
         part = torch.empty(num_seqs * qmax * num_heads * (num_splits * (head_pad + 2) + 1), dtype=torch.float32,
@@ -353,7 +364,12 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     tb_inner = cfg.token_blocks_inner(busy == tblocks > 1)
     grid = (num_seqs * tblocks, num_kv_heads * chunks, num_splits) if tb_inner else \
         (num_seqs, num_kv_heads * chunks, tblocks * num_splits)
+    # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
+    # all return at once, and none of its host time
+    decodes = min_query_len <= short_max(causal)
     for v in plan:
+        if v.fn is not prefill_kernel and not decodes:
+            continue
         if v.fn is decode_kernel:
             decode_kernel[grid](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
@@ -371,7 +387,7 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             # rows are (token, head of the group) pairs: ``per`` tokens a program; slots as prefill_kernel says
             block_m = v.constexprs["BLOCK_M"]
             per = block_m // min(group, block_m)
-            grid = (num_tokens // per + num_seqs, num_kv_heads * triton.cdiv(group, block_m))
+            grid = (num_tokens // per + num_seqs, num_kv_heads * cdiv(group, block_m))
             prefill_kernel[grid](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                 scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, qmax, num_seqs,
@@ -399,16 +415,17 @@ def paged_attention_op(
     sinks: torch.Tensor | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    min_query_len: int,
 ) -> None:
     """Validated inputs only (``paged_attention`` checks them). ``sliding_window``/``softcap`` 0 = off."""
     _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len, max_seq_len,
-            scale, causal, sliding_window, softcap, alibi_slopes, sinks, k_scale, v_scale)
+            scale, causal, sliding_window, softcap, alibi_slopes, sinks, k_scale, v_scale, min_query_len)
 
 
 @paged_attention_op.register_fake
 def _paged_attention_fake(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len,
                           max_seq_len, scale, causal, sliding_window, softcap, alibi_slopes, sinks, k_scale,
-                          v_scale) -> None:
+                          v_scale, min_query_len) -> None:
     return None
 
 
@@ -431,6 +448,7 @@ def paged_attention(
     k_scale: Scale = None,
     v_scale: Scale = None,
     out: torch.Tensor | None = None,
+    min_query_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed query tokens over a paged KV cache; returns ``out`` ``[num_tokens, H, D]``.
 
@@ -440,16 +458,22 @@ def paged_attention(
     ``alibi_slopes`` (fp32 ``[H]``): ``+ slope * (key_pos - query_pos)``. ``sinks``
     (fp32 ``[H]``): one extra logit per head in the softmax denominator. fp8 caches
     are dequantised with the per-tensor ``k_scale``/``v_scale``.
+
+    ``min_query_len`` (optional, a host-side bound like ``max_query_len``): no sequence has
+    fewer query tokens. Above ``SHORT_MAX`` (16) it spares the decode kernel's launch in a
+    batch of prefills only. Never pass it to a call captured in a CUDA graph that later
+    batches of another make-up replay.
     """
     _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len,
-              scale, causal, sliding_window, softcap, alibi_slopes, sinks, out)
+              scale, causal, sliding_window, softcap, alibi_slopes, sinks, out, min_query_len)
+    min_q = 1 if min_query_len is None else min_query_len
     dev = query.device
     fp8 = k_cache.dtype != query.dtype
     ks = _as_scale("k_scale", k_scale, dev, fp8)
     vs = _as_scale("v_scale", v_scale, dev, fp8)
     if checks.enabled(query):
         checks.check_paged_attention(query, k_cache, block_table, seq_lens, query_start_loc, max_query_len,
-                                     max_seq_len, {"k_scale": ks, "v_scale": vs} if fp8 else {})
+                                     max_seq_len, {"k_scale": ks, "v_scale": vs} if fp8 else {}, min_q)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     scale = 1.0 / math.sqrt(query.shape[2]) if scale is None else float(scale)
@@ -459,11 +483,12 @@ def paged_attention(
     # the op runs so that those machineries see it.
     if direct_launch_ok(query):
         _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len, max_seq_len,
-                scale, bool(causal), int(sliding_window or 0), float(softcap or 0.0), alibi_slopes, sinks, ks, vs)
+                scale, bool(causal), int(sliding_window or 0), float(softcap or 0.0), alibi_slopes, sinks, ks, vs,
+                min_q)
         return out
     paged_attention_op(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, max_query_len,
                        max_seq_len, scale, bool(causal), int(sliding_window or 0), float(softcap or 0.0),
-                       alibi_slopes, sinks, ks, vs)
+                       alibi_slopes, sinks, ks, vs, min_q)
     return out
 
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kvcached.kernels import checks
-from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, direct_launch_ok
+from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, cdiv, direct_launch_ok, next_pow2
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,7 +77,7 @@ def _write_kv_kernel(
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return next_pow2(max(int(n), 1))
 
 
 def launch_config(num_heads: int, head_size: int, is_hip: bool | None = None) -> dict[str, int]:
@@ -180,7 +180,7 @@ def _launch(
         return
     fp8 = k_cache.dtype in FP8_DTYPES
     cfg = launch_config(num_heads, head_size)
-    grid = (triton.cdiv(num_tokens, cfg["BLOCK_T"]),)
+    grid = (cdiv(num_tokens, cfg["BLOCK_T"]),)
     _write_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         num_tokens, k_cache.shape[0] * k_cache.shape[1], k_cache.shape[1], num_heads, head_size,

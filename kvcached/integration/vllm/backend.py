@@ -83,6 +83,8 @@ class KVCachedAttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+    # no request has fewer new tokens (host side): a step of prefills only spares the decode kernel's launch
+    min_query_len: int = 1
 
 
 def _mixed_batches_in_full_graphs(vllm_config: Any) -> bool:
@@ -111,6 +113,7 @@ class KVCachedAttentionMetadataBuilder(AttentionMetadataBuilder[KVCachedAttentio
         mixed batches in full graphs, and its dummy mixed batch can look uniform.
         """
         m = self.build(0, common_attn_metadata)
+        m.min_query_len = 1  # replays may hold decodes whatever the captured batch held
         if _mixed_batches_in_full_graphs(self.vllm_config):
             m.max_query_len = max(m.max_query_len, int(m.num_actual_tokens))
         m.max_seq_len = max(m.max_seq_len, self.max_model_len)
@@ -121,8 +124,14 @@ class KVCachedAttentionMetadataBuilder(AttentionMetadataBuilder[KVCachedAttentio
         m = common_attn_metadata
         if isinstance(m.causal, torch.Tensor):
             raise NotImplementedError("the kvcached backend does not support per-request causal masks.")
+        min_query_len = 1
+        qsl_cpu = getattr(m, "query_start_loc_cpu", None)
+        if m.max_query_len > 1 and qsl_cpu is not None and qsl_cpu.numel() > 1:
+            # eager steps only (a full graph is built by build_for_cudagraph_capture): one host min per step
+            min_query_len = max(1, int((qsl_cpu[1:] - qsl_cpu[:-1]).min()))
         return KVCachedAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
+            min_query_len=min(min_query_len, int(m.max_query_len)),
             max_query_len=int(m.max_query_len),
             max_seq_len=int(m.max_seq_len),
             query_start_loc=m.query_start_loc.to(torch.int32),
@@ -184,7 +193,7 @@ class KVCachedAttentionImpl(AttentionImpl[KVCachedAttentionMetadata]):
             attn_metadata.query_start_loc, max_query_len=attn_metadata.max_query_len,
             max_seq_len=attn_metadata.max_seq_len, scale=self.scale, causal=attn_metadata.causal,
             sliding_window=self.sliding_window, softcap=self.logits_soft_cap, alibi_slopes=alibi, sinks=sinks,
-            out=out,
+            out=out, min_query_len=attn_metadata.min_query_len,
         )
         return output
 
