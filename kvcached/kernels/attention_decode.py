@@ -103,9 +103,10 @@ def decode_kernel(
     slot = hslot * tblocks + tb
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    # loaded before the test below so that both round trips to memory overlap (a batch-1 decode is a chain of them)
+    seq_len = tl.load(seq_lens_ptr + seq)
     if (q_len < 1) | (q_len > qmax):
         return  # a longer query (the prefill kernel's) or an empty one
-    seq_len = tl.load(seq_lens_ptr + seq)
     chunks = tl.cdiv(group, BLOCK_H)
     hc = tl.minimum(group, BLOCK_H)  # heads of the group in one program
     per = BLOCK_H // hc  # query tokens in one program
@@ -252,17 +253,17 @@ def decode_kernel(
                     merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + ti, seq.to(tl.int64) * qmax + ti,
                                  kv_head * group + h0 + i % heads_here, num_heads, num_splits, parts, has_sinks,
                                  head_size,
-                                 stride_ot, stride_oh, HEAD_PAD)
+                                 stride_ot, stride_oh, HEAD_PAD, 4096)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, prow, head, num_heads, num_splits, count,
-                 has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD: tl.constexpr):
+                 has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD: tl.constexpr, CHUNK_ELEMS: tl.constexpr):
     """Merge the first ``count`` of the ``num_splits`` partial slots of (token row ``prow`` of the workspace,
     ``head``) into ``out`` row ``out_row`` (online, a chunk of splits at a time)."""
-    # splits per load: at most 4k fp32 values (32 registers a thread at 4 warps)
-    CHUNK: tl.constexpr = max(2, min(32, 4096 // HEAD_PAD))
+    # splits per load: at most CHUNK_ELEMS fp32 values (reduce_kernel: 64 registers a thread at 4 warps)
+    CHUNK: tl.constexpr = max(2, min(64, CHUNK_ELEMS // HEAD_PAD))
     c = tl.arange(0, CHUNK)
     d = tl.arange(0, HEAD_PAD)
     d_mask = d < head_size
@@ -324,8 +325,9 @@ def reduce_kernel(
     part_ml_ptr = part_ptr + rows_total * HEAD_PAD
     prow = seq.to(tl.int64) * qmax + t
     count = tl.load(part_ml_ptr + rows_total * 2 + prow * num_heads + head).to(tl.int32)
+    # 8k values a load: a batch-1 decode's 40-64 splits merge in one step (its latency is the reduce's time)
     merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + t, prow, head, num_heads, num_splits, count,
-                 has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD)
+                 has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD, 8192)
 
 
 # ints Triton specialises as multiples of 16 at run time (every supported head size is one);
