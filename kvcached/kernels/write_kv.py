@@ -13,12 +13,14 @@ when you want out-of-range slots reported (it synchronises).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kvcached.kernels import checks
-from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, cdiv, direct_launch_ok, next_pow2
+from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, cdiv, direct_launch_ok, is_hip, next_pow2
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -84,7 +86,12 @@ def launch_config(num_heads: int, head_size: int, is_hip: bool | None = None) ->
     """Tile and warps for one head geometry (the same rule on both vendors, per-vendor warps)."""
     from kvcached.kernels.platform import is_hip as _is_hip
 
-    hip = _is_hip() if is_hip is None else is_hip
+    return dict(_config(num_heads, head_size, _is_hip() if is_hip is None else is_hip))
+
+
+@functools.lru_cache(maxsize=256)
+def _config(num_heads: int, head_size: int, hip: bool) -> dict[str, int]:
+    # cached: every layer of every step asks (read only; launch_config hands out copies)
     bh, bd = _pow2(num_heads), _pow2(head_size)
     block_t = max(1, min(16, _TILE_ELEMS // (bh * bd)))
     elems = block_t * bh * bd
@@ -179,7 +186,7 @@ def _launch(
     if num_tokens == 0:
         return
     fp8 = k_cache.dtype in FP8_DTYPES
-    cfg = launch_config(num_heads, head_size)
+    cfg = _config(num_heads, head_size, is_hip())
     grid = (cdiv(num_tokens, cfg["BLOCK_T"]),)
     _write_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
