@@ -351,8 +351,11 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
                   softcap=softcap, alibi=alibi_slopes is not None, sinks=sinks is not None,
                   max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
                   big_smem=cfg.large_shared_memory(dev_index), interp=interp)
+    # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
+    # all return at once, and none of its host time
+    decodes = min_query_len <= short_max(causal)
     lock = dummy
-    if num_splits > 1 and min_query_len <= short_max(causal):
+    if decodes and num_splits > 1:
         # one workspace: [num_seqs, qmax, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs, then
         # the partials each (token row, head) has
         part = torch.empty(num_seqs * qmax * num_heads * (num_splits * (head_pad + 2) + 1), dtype=torch.float32,
@@ -362,21 +365,17 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     else:
         part = dummy
     tb_inner = cfg.token_blocks_inner(busy == tblocks > 1)
-    grid = (num_seqs * tblocks, num_kv_heads * chunks, num_splits) if tb_inner else \
+    decode_grid = (num_seqs * tblocks, num_kv_heads * chunks, num_splits) if tb_inner else \
         (num_seqs, num_kv_heads * chunks, tblocks * num_splits)
-    # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
-    # all return at once, and none of its host time
-    decodes = min_query_len <= short_max(causal)
     for v in plan:
         if v.fn is not prefill_kernel and not decodes:
             continue
         if v.fn is decode_kernel:
-            decode_kernel[grid](
+            decode_kernel[decode_grid](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                 part, lock, scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
                 num_splits, balance, dc.waves, dc.run_floor, int(fused), qmax, tblocks, int(tb_inner), head_size,
-                *q_strides,
-                *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
+                *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
             )
         elif v.fn is reduce_kernel:
             reduce_kernel[(num_seqs, num_heads, qmax)](

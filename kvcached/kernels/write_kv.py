@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from kvcached.kernels import checks
-from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, cdiv, direct_launch_ok, is_hip, next_pow2
+from kvcached.kernels.platform import FP8_DTYPES, CompileVariant, cdiv, direct_launch_ok, next_pow2
+from kvcached.kernels.platform import is_hip as vendor_is_hip
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -84,9 +85,7 @@ def _pow2(n: int) -> int:
 
 def launch_config(num_heads: int, head_size: int, is_hip: bool | None = None) -> dict[str, int]:
     """Tile and warps for one head geometry (the same rule on both vendors, per-vendor warps)."""
-    from kvcached.kernels.platform import is_hip as _is_hip
-
-    return dict(_config(num_heads, head_size, _is_hip() if is_hip is None else is_hip))
+    return dict(_config(num_heads, head_size, vendor_is_hip() if is_hip is None else is_hip))
 
 
 @functools.lru_cache(maxsize=256)
@@ -186,7 +185,7 @@ def _launch(
     if num_tokens == 0:
         return
     fp8 = k_cache.dtype in FP8_DTYPES
-    cfg = _config(num_heads, head_size, is_hip())
+    cfg = _config(num_heads, head_size, vendor_is_hip())
     grid = (cdiv(num_tokens, cfg["BLOCK_T"]),)
     _write_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
