@@ -135,6 +135,24 @@ def _watch_peak(llm: object) -> list:
     return peak
 
 
+def _count_preemptions(llm: object) -> list[int]:
+    """Preemptions the scheduler makes (an engine in this process only): batches with a preempted and
+    recomputed request differ from an unpreempted run's, so their bf16 rounding may differ too."""
+    count = [0]
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        preempt = sched._preempt_request
+    except AttributeError:
+        return count
+
+    def counted(*args: object, **kwargs: object) -> object:
+        count[0] += 1
+        return preempt(*args, **kwargs)
+
+    sched._preempt_request = counted
+    return count
+
+
 def _segment_peak(name: str | None, reset: bool = False) -> int | None:
     """The engine's own high-water mark of KV bytes in use, from its segment (any process layout);
     ``reset`` starts a new window first, as ``kvctl peak --reset`` does."""
@@ -201,6 +219,7 @@ def main() -> None:
     sampler = Sampler(spec.get("ipc_name"))
     idle_before = sampler.read()
     peak = _watch_peak(llm)
+    preemptions = _count_preemptions(llm)
     _segment_peak(spec.get("ipc_name"), reset=True)  # the window starts at the idle engine
     prompts = _prompts(spec)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
@@ -225,11 +244,13 @@ def main() -> None:
                 tokens = [list(r.outputs[0].token_ids) for r in results]
                 outputs.append(tokens)
                 record["tokens"] = tokens
-                if spec.get("logprobs") and decode is None:
-                    decode = [_decode_steps(r.outputs[0]) for r in results]
+                if spec.get("logprobs"):
+                    record["decode"] = [_decode_steps(r.outputs[0]) for r in results]
+                    decode = record["decode"] if decode is None else decode
                 cached_tokens.append([int(r.num_cached_tokens or 0) for r in results])
             time.sleep(phase.get("settle_s", 0.0))
             record["used_after"] = sampler.read()
+            record["preemptions"] = preemptions[0]
             record["t1"] = time.time()
             if spec.get("rank_state"):  # tensor parallel: what every worker maps (kvcached's worker RPC)
                 record["ranks"] = llm.collective_rpc("kvcached_rank_state")
@@ -277,7 +298,7 @@ def main() -> None:
         "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
         "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
-        "segment_peak": segment_peak, "kv_groups": kv_groups, "page_size": page_size,
+        "segment_peak": segment_peak, "preemptions": preemptions[0], "kv_groups": kv_groups, "page_size": page_size,
         "runner": type(runner).__module__ if backend else None,
     }), flush=True)
 
