@@ -157,12 +157,38 @@ def test_balanced_splits_for_uneven_lengths(fused, feature, floor):
     # wave (interpreter: 32 slots, runs of 125 keys, 19 runs x 2 KV heads), so the kernel plans two waves of
     # runs half as long: with floor 0 it cuts them (the default floor of 1024 keys keeps one wave's runs)
     q_lens, seq_lens = [1, 1, 1, 1, 4, 1], [16, 20, 1000, 30, 900, 25]
-    knobs = {} if floor is None else {"split_run_floor": floor}
+    knobs = {"stream": 0} if floor is None else {"split_run_floor": floor, "stream": 0}
     with cfg.override(**knobs):
         plan = cfg.decode_config(len(q_lens), 2, 32, 16, 2, max(seq_lens), 0)
     assert plan.num_splits > 1 and plan.balance > 0 and plan.waves == 2, plan
     with cfg.override(decode_fused_reduce=fused, **knobs):
         run_case(q_lens=q_lens, seq_lens=seq_lens, splits=None, seed=26, **_features(feature))
+
+
+@pytest.mark.parametrize("fused", [0, 1])
+@pytest.mark.parametrize("feature", ["none", "window", "sinks", "all"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_k_for_uneven_lengths(fused, feature, layout):
+    # The dispatcher's stream-K plan (a batch of one-block queries with fewer programs than slots): each head
+    # slot's 16 programs (interpreter: 32 slots, 2 KV heads) share the batch's 65 key tiles of 32, 5 a program,
+    # so the long sequences span several programs and a program spans several short ones (and a short query)
+    q_lens, seq_lens = [1, 1, 1, 1, 4, 1], [16, 20, 1000, 30, 900, 25]
+    plan = cfg.decode_config(len(q_lens), 2, 32, 16, 2, max(seq_lens), 0, True)
+    assert plan.stream == 16 and plan.num_splits == len(q_lens) + 16, plan
+    with cfg.override(decode_fused_reduce=fused):
+        run_case(layout=layout, q_lens=q_lens, seq_lens=seq_lens, splits=None, seed=27, **_features(feature))
+        # again with other lengths: the fused merge's counters are back at zero
+        run_case(layout=layout, q_lens=[1, 2, 1], seq_lens=[700, 40, 3], splits=None, seed=28, **_features(feature))
+
+
+def test_stream_k_batch_over_one_planning_chunk():
+    # 260 sequences (the kernel plans 256 lengths at a time), 1 KV head over 320 slots, runs down to one tile
+    rng = torch.Generator().manual_seed(29)
+    seq_lens = torch.randint(1, 48, (260,), generator=rng).tolist()
+    with cfg.override(programs_per_sm=40, min_keys_per_split=16):
+        plan = cfg.decode_config(260, 1, 32, 16, 2, max(seq_lens), 0, True)
+        assert plan.stream == 320 and plan.min_tiles == 1, plan
+        run_case(q_lens=[1] * 260, seq_lens=seq_lens, num_heads=2, num_kv_heads=1, splits=None, seed=30)
 
 
 # short queries (speculative-decoding checks, drafts, a chunk's tail) beside a decode: the decode kernel's rows

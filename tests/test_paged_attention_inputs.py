@@ -203,10 +203,12 @@ def test_compile_variants_per_target(target):
     tiles = {(v.constexprs["HEAD_PAD"], v.constexprs["PAD_D"]) for v in variants if "PAD_D" in v.constexprs}
     assert tiles == {(32, False), (64, False), (128, False), (128, True), (256, False)}
     # block size, group, split count and feature values are run-time arguments: a small, fixed list
-    # (dtype pairs x 5 tiles x (decode rows 16, 32 and 64, prefill) x FEATURES, plus the reduce per query
-    # dtype x 4 tiles)
+    # (dtype pairs x 5 tiles x (decode rows 16, 16 stream-K, 32 and 64, prefill) x FEATURES, plus the reduce per
+    # query dtype x 4 tiles)
     pairs = 4 if target in ("sm90", "gfx942", "gfx950") else 2
-    assert len(variants) == pairs * 5 * 4 * 2 + 2 * 4
+    assert len(variants) == pairs * 5 * 5 * 2 + 2 * 4
+    assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel" and v.constexprs["STREAM"]} \
+        == {16}
     assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == {16, 32, 64}
 
 
@@ -236,10 +238,12 @@ def test_every_dispatcher_choice_is_compiled(target):
                     for group in (1, 7, 33):
                         for feats in _feature_sets():
                             for max_query_len in (1, 4, 16, 300):
-                                for num_splits, fused in ((1, False), (37, False), (128, True)):
+                                for num_splits, fused, stream in ((1, False, False), (37, False, False),
+                                                                  (128, True, False), (37, False, True),
+                                                                  (128, True, True)):
                                     plan = select(qdt, kdt, head, block, group, max_query_len=max_query_len,
                                                   num_splits=num_splits, fused=fused, hip=hip, big_smem=big_smem,
-                                                  interp=False, **feats)
+                                                  interp=False, stream=stream, **feats)
                                     calls += 1
                                     kinds = [v.fn.__name__ for v in plan]
                                     assert kinds[0] == "decode_kernel"

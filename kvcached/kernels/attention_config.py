@@ -27,6 +27,8 @@ class DecodeConfig:
     waves: int = 1  # waves of programs the kernel plans with ``balance``
     run_floor: int = 0  # keys: runs shorter than this (and than one wave's runs) are not cut
     maxnreg: int = 0  # NVIDIA only: registers a thread may use (0 = the compiler's choice)
+    stream: int = 0  # programs a head slot has in a stream-K launch (0: a column of splits per sequence)
+    min_tiles: int = 1  # the least key tiles a stream-K program takes
 
     @property
     def options(self) -> dict[str, int]:
@@ -72,6 +74,7 @@ KNOBS = (
     "split_waves",
     "split_run_floor",
     "split_room",
+    "stream",
 )
 
 
@@ -210,23 +213,35 @@ def decode_base(head_pad: int, kv_itemsize: int, hip: bool, interp: bool) -> Dec
 
 
 def decode_config(
-    num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int, device_index: int
+    num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int,
+    device_index: int, one_block: bool = False,
 ) -> DecodeConfig:
     if _OVERRIDES:
-        return _decode_config(num_seqs, num_kv_heads, head_pad, block_h, kv_itemsize, max_seq_len, device_index)
-    return _decode_cached(num_seqs, num_kv_heads, head_pad, block_h, kv_itemsize, max_seq_len, device_index)
+        return _decode_config(num_seqs, num_kv_heads, head_pad, block_h, kv_itemsize, max_seq_len, device_index,
+                              one_block)
+    return _decode_cached(num_seqs, num_kv_heads, head_pad, block_h, kv_itemsize, max_seq_len, device_index, one_block)
 
 
 def _decode_config(
-    num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int, device_index: int
+    num_seqs: int, num_kv_heads: int, head_pad: int, block_h: int, kv_itemsize: int, max_seq_len: int,
+    device_index: int, one_block: bool = False,
 ) -> DecodeConfig:
-    # num_kv_heads: programs per sequence (KV heads x head chunks x token blocks); block_h: rows a program
+    # num_kv_heads: programs per sequence (KV heads x head chunks x token blocks); block_h: rows a program;
+    # one_block: every query fits one program's rows (the stream-K launch takes only such batches, on the 16-row
+    # tile: one more compile per decode variant, not per short tile)
     hip = is_hip()
     tile = decode_tile(head_pad, kv_itemsize, hip, interpreting())
     splits, balance, waves = _OVERRIDES.get("decode_num_splits"), 0, 1
     if splits is None:
         units = num_compute_units(device_index)
         splits, balance, waves = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip, block_h)
+        if balance and one_block and block_h <= 16 and num_seqs > 1 and _OVERRIDES.get("stream", 1):
+            # Stream-K where the kernel would balance runs (fewer programs than slots): each head slot's share
+            # of the slots walks the batch's key tiles in equal parts. H200 (decode_stream_h200.md): see there.
+            per_slot = max(1, balance // max(num_kv_heads, 1))
+            min_keys = _OVERRIDES.get("min_keys_per_split", 128)
+            return replace(tile, num_splits=num_seqs + per_slot, stream=per_slot,
+                           min_tiles=cdiv(min_keys, tile.block_n))
     return replace(tile, num_splits=max(1, int(splits)), balance=balance, waves=waves,
                    run_floor=_OVERRIDES.get("split_run_floor", RUN_FLOOR))
 

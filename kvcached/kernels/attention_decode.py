@@ -30,7 +30,7 @@ from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
 
 # run-time scalars whose value must not make Triton compile another specialisation
 _NO_SPECIALISE = ["group", "bs_shift", "num_splits", "balance", "waves", "run_floor", "fused", "window", "causal",
-                  "has_alibi", "has_sinks", "qmax", "tblocks", "tb_inner"]
+                  "has_alibi", "has_sinks", "qmax", "tblocks", "tb_inner", "stream_seqs", "min_tiles"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -64,6 +64,8 @@ def decode_kernel(
     qmax,
     tblocks,
     tb_inner,
+    stream_seqs,
+    min_tiles,
     head_size,
     stride_qt,
     stride_qh,
@@ -83,9 +85,74 @@ def decode_kernel(
     FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
     UNMASKED: tl.constexpr,
+    STREAM: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     hslot = tl.program_id(1)  # kv_head * chunks + chunk
+    if STREAM:
+        # Stream-K (one token block a sequence): the ``tl.num_programs(0)`` programs of this head slot share the
+        # batch's key tiles equally, in sequence order, so uneven lengths leave no program with more than its
+        # share (with a run per sequence, the longest sets the time). A program's tiles may span the end of one
+        # sequence and the start of the next: a partial for each, at slot ``sequence + program``, which is unique
+        # (the programs over sequence i + 1 start where those over i end) and below ``num_splits`` (sequences +
+        # programs). Every program plans from the lengths on the device, so a replayed CUDA graph plans afresh.
+        p = tl.program_id(0)
+        total = tl.sum(tl.zeros([256], dtype=tl.int32), 0)
+        for b0 in range(0, stream_seqs, 256):
+            total += tl.sum(_seq_tiles(b0 + tl.arange(0, 256), stream_seqs, seq_lens_ptr, qsl_ptr, window, qmax,
+                                       BLOCK_N, FEATURES), 0)
+        per_prog = tl.maximum(tl.cdiv(total, tl.num_programs(0)), min_tiles)
+        a = p * per_prog
+        b = tl.minimum(a + per_prog, total)
+        # the first sequence that ends past tile ``a``, and the tiles before it (lengths are in order: one count)
+        seq = total * 0
+        s = total * 0
+        chunk_base = total * 0
+        for b0 in range(0, stream_seqs, 256):
+            tiles = _seq_tiles(b0 + tl.arange(0, 256), stream_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N,
+                               FEATURES)
+            before = chunk_base + tl.cumsum(tiles, 0) <= a
+            seq += tl.sum(before.to(tl.int32), 0)
+            s += tl.sum(tl.where(before, tiles, 0), 0)
+            chunk_base += tl.sum(tiles, 0)
+        cur = a
+        while cur < b:
+            q_start = tl.load(qsl_ptr + seq)
+            q_len = tl.load(qsl_ptr + seq + 1) - q_start
+            seq_len = tl.load(seq_lens_ptr + seq)
+            e = s + _seq_tiles(seq, stream_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N, FEATURES)
+            if e > cur:
+                lo = _seq_lo(seq_len, q_len, window, BLOCK_N, FEATURES)
+                first = s // per_prog
+                end = tl.minimum(b, e)
+                _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr,
+                        v_scale_ptr, part_ptr, lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks,
+                        group, bs_shift, num_splits, fused, qmax, tblocks, head_size, stride_qt, stride_qh,
+                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ot, stride_oh,
+                        stride_bt, seq, stream_seqs, hslot, 0, q_start, q_len, seq_len,
+                        seq + p, (e - 1) // per_prog - first + 1, seq + first, p == first,
+                        lo + (cur - s) * BLOCK_N, tl.minimum(lo + (end - s) * BLOCK_N, seq_len),
+                        BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, False, True, INTERP)
+                cur = end
+            seq += 1
+            s = e
+    else:
+        _columns(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, alibi_ptr, sinks_ptr,
+                 k_scale_ptr, v_scale_ptr, part_ptr, lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks,
+                 group, bs_shift, num_splits, balance, waves, run_floor, fused, qmax, tblocks, tb_inner, head_size,
+                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ot,
+                 stride_oh, stride_bt, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, INTERP)
+
+
+@triton.jit
+def _columns(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, alibi_ptr, sinks_ptr, k_scale_ptr,
+             v_scale_ptr, part_ptr, lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks, group, bs_shift,
+             num_splits, balance, waves, run_floor, fused, qmax, tblocks, tb_inner, head_size, stride_qt, stride_qh,
+             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
+             BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+             FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, INTERP: tl.constexpr):
+    """The launch of a column of up to ``num_splits`` programs per (sequence, head slot, token block)."""
+    hslot = tl.program_id(1)
     if tb_inner != 0:
         # every token block has work (a batch of short queries): a sequence's blocks are launched side by
         # side, so they read the same K/V tiles at about the same time and all but the first find them in L2
@@ -100,35 +167,18 @@ def decode_kernel(
         tb = tl.program_id(2) % tblocks
         split = tl.program_id(2) // tblocks
         num_seqs = tl.num_programs(0)
-    slot = hslot * tblocks + tb
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     # loaded before the test below so that both round trips to memory overlap (a batch-1 decode is a chain of them)
     seq_len = tl.load(seq_lens_ptr + seq)
     if (q_len < 1) | (q_len > qmax):
         return  # a longer query (the prefill kernel's) or an empty one
-    chunks = tl.cdiv(group, BLOCK_H)
     hc = tl.minimum(group, BLOCK_H)  # heads of the group in one program
     per = BLOCK_H // hc  # query tokens in one program
-    kv_head = hslot // chunks
-    h0 = (hslot % chunks) * BLOCK_H  # first head of this chunk within the group
     t0 = tb * per
     if t0 >= q_len:
         return
-
-    r = tl.arange(0, BLOCK_H)
-    t = t0 + r // hc
-    h = h0 + r % hc
-    h_mask = (r < per * hc) & (h < group) & (t < q_len)
-    heads = kv_head * group + h
-    tok = (q_start + t).to(tl.int64)
-    d = tl.arange(0, HEAD_PAD)
-    if PAD_D:
-        d_mask = d < head_size  # a multiple of 16: Triton specialises on it, loads stay vectorised
-    else:
-        d_mask = d < HEAD_PAD
     ctx = seq_len - q_len
-    q_pos = ctx + t
     last = ctx + tl.minimum(t0 + per, q_len) - 1  # the position of this program's last token
     lo = seq_len * 0
     if FEATURES:
@@ -167,6 +217,69 @@ def decode_kernel(
     parts = tl.maximum(parts, 1)
     if split >= parts:
         return  # the merge takes the first ``parts`` partials only
+    # parts 1: span >= hi - lo, the whole range
+    span = tl.cdiv(tl.cdiv(hi - lo, parts), BLOCK_N) * BLOCK_N
+    lo = lo + split * span
+    _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+            part_ptr, lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks, group, bs_shift, num_splits,
+            fused, qmax, tblocks, head_size, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
+            stride_vt, stride_vh, stride_ot, stride_oh, stride_bt, seq, num_seqs, hslot, tb, q_start, q_len,
+            seq_len, split, parts, 0, split == 0, lo, tl.minimum(lo + span, hi),
+            BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, False, INTERP)
+
+
+@triton.jit
+def _seq_lo(seq_len, q_len, window, BLOCK_N: tl.constexpr, FEATURES: tl.constexpr):
+    """The first key (a whole tile) a one-block query sees: 0, or its window's start."""
+    lo = seq_len * 0
+    if FEATURES:
+        if window > 0:
+            lo = tl.maximum(seq_len - q_len - window + 1, 0)
+    return (lo // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _seq_tiles(b, num_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N: tl.constexpr, FEATURES: tl.constexpr):
+    """Key tiles of sequence(s) ``b`` for a one-block query (0 for a query the kernel does not take)."""
+    ok = b < num_seqs
+    q_start = tl.load(qsl_ptr + b, mask=ok, other=0)
+    q_len = tl.load(qsl_ptr + b + 1, mask=ok, other=0) - q_start
+    seq_len = tl.load(seq_lens_ptr + b, mask=ok, other=0)
+    tiles = tl.cdiv(seq_len - _seq_lo(seq_len, q_len, window, BLOCK_N, FEATURES), BLOCK_N)
+    return tl.where(ok & (q_len >= 1) & (q_len <= qmax), tiles, 0)
+
+
+@triton.jit
+def _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, part_ptr,
+            lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks, group, bs_shift, num_splits, fused,
+            qmax, tblocks, head_size, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+            stride_vh, stride_ot, stride_oh, stride_bt, seq, num_seqs, hslot, tb, q_start, q_len, seq_len,
+            split, parts, first, is_first, lo, hi,
+            BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+            FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, STREAMED: tl.constexpr,
+            INTERP: tl.constexpr):
+    """Keys ``[lo, hi)`` of one (sequence, head slot, token block): the output (``num_splits`` 1), or partial
+    slot ``split`` (one of ``parts``, from slot ``first``) of the sequence's workspace rows, and the merge if this
+    is the last of them to end. ``STREAMED``: the stream-K launch, whose sequences share one set of rows."""
+    chunks = tl.cdiv(group, BLOCK_H)
+    hc = tl.minimum(group, BLOCK_H)  # heads of the group in one program
+    per = BLOCK_H // hc  # query tokens in one program
+    kv_head = hslot // chunks
+    h0 = (hslot % chunks) * BLOCK_H  # first head of this chunk within the group
+    t0 = tb * per
+    r = tl.arange(0, BLOCK_H)
+    t = t0 + r // hc
+    h = h0 + r % hc
+    h_mask = (r < per * hc) & (h < group) & (t < q_len)
+    heads = kv_head * group + h
+    tok = (q_start + t).to(tl.int64)
+    d = tl.arange(0, HEAD_PAD)
+    if PAD_D:
+        d_mask = d < head_size  # a multiple of 16: Triton specialises on it, loads stay vectorised
+    else:
+        d_mask = d < HEAD_PAD
+    ctx = seq_len - q_len
+    q_pos = ctx + t
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=h_mask[:, None] & d_mask[None, :],
@@ -186,11 +299,6 @@ def decode_kernel(
             m_i = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E
             l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_H, HEAD_PAD], dtype=tl.float32)
-
-    # parts 1: span >= hi - lo, the whole range
-    span = tl.cdiv(tl.cdiv(hi - lo, parts), BLOCK_N) * BLOCK_N
-    lo = lo + split * span
-    hi = tl.minimum(lo + span, hi)
 
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
@@ -225,49 +333,58 @@ def decode_kernel(
             mask=h_mask[:, None] & d_mask[None, :],
         )
     else:
-        # part_ptr: outputs [num_seqs, qmax, num_heads, num_splits, HEAD_PAD], then (max, sum) [..., 2], then
-        # how many partials each (token row, head) has [num_seqs, qmax, num_heads] (for reduce_kernel)
+        # part_ptr: outputs [rows_total = (num_seqs or 1) * qmax * num_heads * num_splits, HEAD_PAD], then
+        # (max, sum) [rows_total, 2], then how many partials each (sequence, token row, head) has and the slot
+        # of its first [2, num_seqs * qmax * num_heads] (for reduce_kernel)
         num_heads = tl.num_programs(1) // chunks * group
-        rows_total = num_seqs.to(tl.int64) * qmax * num_heads * num_splits
+        pseq = seq
+        pseqs = num_seqs
+        if STREAMED:
+            pseq = seq * 0
+            pseqs = num_seqs * 0 + 1
+        rows_total = pseqs.to(tl.int64) * qmax * num_heads * num_splits
         part_ml_ptr = part_ptr + rows_total * HEAD_PAD
+        meta_ptr = part_ml_ptr + rows_total * 2
         prow = seq.to(tl.int64) * qmax + t
-        row = (prow * num_heads + heads) * num_splits + split
+        prow_part = pseq.to(tl.int64) * qmax + t
+        row = (prow_part * num_heads + heads) * num_splits + split
         tl.store(part_ptr + row[:, None] * HEAD_PAD + d[None, :], acc, mask=h_mask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=h_mask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_mask)
-        if split == 0:
-            tl.store(part_ml_ptr + rows_total * 2 + prow * num_heads + heads, (heads * 0 + parts).to(tl.float32),
-                     mask=h_mask)
+        if is_first:
+            tl.store(meta_ptr + prow * num_heads + heads, (heads * 0 + parts).to(tl.float32), mask=h_mask)
+            if STREAMED:  # a column's first partial is at slot 0
+                first_ptr = meta_ptr + num_seqs.to(tl.int64) * qmax * num_heads
+                tl.store(first_ptr + prow * num_heads + heads, (heads * 0 + first).to(tl.float32), mask=h_mask)
         if fused != 0:
             # The last program of this (sequence, KV head, chunk) to finish merges every split: one
             # launch instead of two (host launch time dominates small batches). The counter is put
             # back to 0 by that program, so the buffer is clean for the next launch.
             tl.debug_barrier()  # every thread's partial stores precede the release below
-            lock = lock_ptr + seq * (tl.num_programs(1) * tblocks) + slot
+            lock = lock_ptr + seq * (tl.num_programs(1) * tblocks) + hslot * tblocks + tb
             ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
             if ticket == parts - 1:
                 tl.debug_barrier()
                 heads_here = tl.minimum(hc, group - h0)
                 for i in range(0, tl.minimum(per, q_len - t0) * heads_here):
                     ti = t0 + i // heads_here
-                    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + ti, seq.to(tl.int64) * qmax + ti,
-                                 kv_head * group + h0 + i % heads_here, num_heads, num_splits, parts, has_sinks,
-                                 head_size,
-                                 stride_ot, stride_oh, HEAD_PAD, 4096)
+                    head = kv_head * group + h0 + i % heads_here
+                    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + ti,
+                                 ((pseq.to(tl.int64) * qmax + ti) * num_heads + head) * num_splits + first, head,
+                                 parts, has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD, 4096)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, prow, head, num_heads, num_splits, count,
-                 has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD: tl.constexpr, CHUNK_ELEMS: tl.constexpr):
-    """Merge the first ``count`` of the ``num_splits`` partial slots of (token row ``prow`` of the workspace,
-    ``head``) into ``out`` row ``out_row`` (online, a chunk of splits at a time)."""
+def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, base, head, count, has_sinks, head_size,
+                 stride_ot, stride_oh, HEAD_PAD: tl.constexpr, CHUNK_ELEMS: tl.constexpr):
+    """Merge the ``count`` partials of ``head`` at workspace rows ``base``... into ``out`` row ``out_row``
+    (online, a chunk of splits at a time)."""
     # splits per load: at most CHUNK_ELEMS fp32 values (reduce_kernel: 64 registers a thread at 4 warps)
     CHUNK: tl.constexpr = max(2, min(64, CHUNK_ELEMS // HEAD_PAD))
     c = tl.arange(0, CHUNK)
     d = tl.arange(0, HEAD_PAD)
     d_mask = d < head_size
-    base = (prow * num_heads + head) * num_splits
     m_run = tl.max(tl.zeros([CHUNK], dtype=tl.float32) + NEG_BIG, 0)
     l_run = tl.sum(tl.zeros([CHUNK], dtype=tl.float32), 0)
     acc = tl.zeros([HEAD_PAD], dtype=tl.float32)
@@ -299,7 +416,7 @@ def merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, out_row, prow, head,
     )
 
 
-@triton.jit(do_not_specialize=["num_splits", "has_sinks"])
+@triton.jit(do_not_specialize=["num_splits", "has_sinks", "stream"])
 def reduce_kernel(
     out_ptr,
     qsl_ptr,
@@ -307,6 +424,7 @@ def reduce_kernel(
     part_ptr,
     num_splits,
     has_sinks,
+    stream,
     head_size,
     stride_ot,
     stride_oh,
@@ -321,13 +439,24 @@ def reduce_kernel(
     if (q_len < 1) | (q_len > qmax) | (t >= q_len):
         return
     num_heads = tl.num_programs(1)
-    rows_total = tl.num_programs(0).to(tl.int64) * qmax * num_heads * num_splits
+    num_seqs = tl.num_programs(0)
+    pseq = seq
+    if stream != 0:  # the stream-K launch's partials: one row of slots for all sequences
+        num_seqs = num_seqs * 0 + 1
+        pseq = seq * 0
+    rows_total = num_seqs.to(tl.int64) * qmax * num_heads * num_splits
     part_ml_ptr = part_ptr + rows_total * HEAD_PAD
+    meta_ptr = part_ml_ptr + rows_total * 2
     prow = seq.to(tl.int64) * qmax + t
-    count = tl.load(part_ml_ptr + rows_total * 2 + prow * num_heads + head).to(tl.int32)
+    count = tl.load(meta_ptr + prow * num_heads + head).to(tl.int32)
+    first = count * 0
+    if stream != 0:
+        first = tl.load(meta_ptr + tl.num_programs(0).to(tl.int64) * qmax * num_heads + prow * num_heads
+                        + head).to(tl.int32)
     # 8k values a load: a batch-1 decode's 40-64 splits merge in one step (its latency is the reduce's time)
-    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + t, prow, head, num_heads, num_splits, count,
-                 has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD, 8192)
+    merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + t,
+                 ((pseq.to(tl.int64) * qmax + t) * num_heads + head) * num_splits + first, head, count, has_sinks,
+                 head_size, stride_ot, stride_oh, HEAD_PAD, 8192)
 
 
 # ints Triton specialises as multiples of 16 at run time (every supported head size is one);

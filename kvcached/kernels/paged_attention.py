@@ -234,19 +234,20 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
 
 def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_size: int, group: int, *,
            causal: bool, window: int, softcap: float, alibi: bool, sinks: bool, max_query_len: int, num_splits: int,
-           fused: bool, hip: bool, big_smem: bool, interp: bool) -> tuple:
+           fused: bool, hip: bool, big_smem: bool, interp: bool, stream: bool = False) -> tuple:
     """The dispatcher: the kernels (with constexprs and options) one call launches, in order.
 
     Everything the dispatcher sees goes in; a tuple of ``CompileVariant`` comes out (decode,
     then the split reduce when ``num_splits > 1`` and not ``fused``, then prefill when
-    ``max_query_len > 1``). Block size, group size, split count, feature values and the head
+    ``max_query_len > 1``); ``stream``: the decode kernel's stream-K launch (its own compile).
+    Block size, group size, split count, feature values and the head
     size within its power-of-two tile are run-time kernel arguments: only the dtypes, the
     tile (32, 64, 128, masked 128 for 80/96, 256) and "any feature" pick a compile.
     ``compile_variants`` lists exactly what this can return for a target.
     """
     # cached per inputs and override knobs: one dict lookup per call (host time matters at batch 1)
     return _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
-                   max_query_len, num_splits, fused, hip, big_smem, interp, cfg.overrides_key())
+                   max_query_len, num_splits, fused, hip, big_smem, interp, stream, cfg.overrides_key())
 
 
 def short_max(causal: bool) -> int:
@@ -270,7 +271,7 @@ def decode_rows(group: int, max_query_len: int, causal: bool) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks, max_query_len,
-            num_splits, fused, hip, big_smem, interp, overrides) -> tuple:
+            num_splits, fused, hip, big_smem, interp, stream, overrides) -> tuple:
     qt, kt = _TRITON_DTYPE[q_dtype], _TRITON_DTYPE[kv_dtype]
     head_pad = next_pow2(head_size)
     fp8 = kv_dtype != q_dtype
@@ -283,10 +284,12 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     out = []
     dc = cfg.decode_tile(head_pad, itemsize, hip, interp)
     block_h = decode_rows(group, max_query_len, causal)
+    stream = stream and block_h == BLOCK_H  # the stream-K launch has the 16-row tile only (attention_config)
     const = {"BLOCK_H": block_h, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
              "FEATURES": decode_features, "FP8_KV": fp8,
-             "UNMASKED": block_h == SHORT_ROWS[-1] and not decode_features and not hip, "INTERP": interp}
-    short = f"-short{block_h}" if block_h > BLOCK_H else ""
+             "UNMASKED": block_h == SHORT_ROWS[-1] and not decode_features and not hip, "STREAM": stream,
+             "INTERP": interp}
+    short = f"-short{block_h}" if block_h > BLOCK_H else ("-stream" if stream else "")
     warps = cfg.decode_warps(block_h, head_pad, itemsize, hip, interp, hopper=big_smem)
     out.append(CompileVariant(f"attn_decode{short}[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
                               decode_kernel, _signature(decode_kernel, qt, kt), const,
@@ -343,30 +346,35 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     # runs 3-4: counting all four blocks left the decodes unsplit, 770 us against 487 for the decodes alone)
     busy = tblocks if max_query_len <= short_max(causal) else 1
     dc = cfg.decode_config(num_seqs, num_kv_heads * chunks * busy, head_pad, block_h, k_cache.element_size(),
-                           max_seq_len, dev_index)
+                           max_seq_len, dev_index, tblocks == 1)
     num_splits = dc.num_splits
     balance = max(1, dc.balance // busy) if dc.balance else 0
     fused = num_splits > 1 and cfg.fused_reduce(dev)
     plan = select(query.dtype, k_cache.dtype, head_size, block_size, group, causal=causal, window=sliding_window,
                   softcap=softcap, alibi=alibi_slopes is not None, sinks=sinks is not None,
                   max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
-                  big_smem=cfg.large_shared_memory(dev_index), interp=interp)
+                  big_smem=cfg.large_shared_memory(dev_index), interp=interp, stream=dc.stream > 0)
     # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
     # all return at once, and none of its host time
     decodes = min_query_len <= short_max(causal)
     lock = dummy
     if decodes and num_splits > 1:
-        # one workspace: [num_seqs, qmax, num_heads, num_splits, HEAD_PAD] outputs, then (max, sum) pairs, then
-        # the partials each (token row, head) has
-        part = torch.empty(num_seqs * qmax * num_heads * (num_splits * (head_pad + 2) + 1), dtype=torch.float32,
-                           device=dev)
+        # one workspace: outputs [rows, HEAD_PAD], (max, sum) [rows, 2], then the partials each (sequence, token
+        # row, head) has and the slot of its first [2, num_seqs * qmax * num_heads]; rows: (num_seqs or, for the
+        # stream-K launch, whose sequences share one set, 1) x qmax x num_heads x num_splits
+        rows = (1 if dc.stream else num_seqs) * qmax * num_heads * num_splits
+        part = torch.empty(rows * (head_pad + 2) + 2 * num_seqs * qmax * num_heads, dtype=torch.float32, device=dev)
         if fused:
             lock = _lock_buffer(dev, num_seqs * num_kv_heads * chunks * tblocks)
     else:
         part = dummy
     tb_inner = cfg.token_blocks_inner(busy == tblocks > 1)
-    decode_grid = (num_seqs * tblocks, num_kv_heads * chunks, num_splits) if tb_inner else \
-        (num_seqs, num_kv_heads * chunks, tblocks * num_splits)
+    if dc.stream:
+        decode_grid = (dc.stream, num_kv_heads * chunks, 1)
+    elif tb_inner:
+        decode_grid = (num_seqs * tblocks, num_kv_heads * chunks, num_splits)
+    else:
+        decode_grid = (num_seqs, num_kv_heads * chunks, tblocks * num_splits)
     for v in plan:
         if v.fn is not prefill_kernel and not decodes:
             continue
@@ -374,12 +382,13 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             decode_kernel[decode_grid](
                 query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                 part, lock, scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift,
-                num_splits, balance, dc.waves, dc.run_floor, int(fused), qmax, tblocks, int(tb_inner), head_size,
+                num_splits, balance, dc.waves, dc.run_floor, int(fused), qmax, tblocks, int(tb_inner),
+                num_seqs if dc.stream else 0, dc.min_tiles, head_size,
                 *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
             )
         elif v.fn is reduce_kernel:
             reduce_kernel[(num_seqs, num_heads, qmax)](
-                out, query_start_loc, sink_t, part, num_splits, has_sinks, head_size, *o_strides,
+                out, query_start_loc, sink_t, part, num_splits, has_sinks, int(dc.stream > 0), head_size, *o_strides,
                 **v.constexprs, **v.options,
             )
         else:
@@ -551,11 +560,12 @@ def compile_variants(target: str) -> list[CompileVariant]:
                 for any_feature in (False, True):
                     for fused in (False, True):
                         # max_query_len 2 (16 rows hold it at group 4), 8 and 16 (the 32- and 64-row short
-                        # tiles), 17 (with a prefill)
-                        for qlen in (2, 8, SHORT_MAX, SHORT_MAX + 1):
+                        # tiles), 17 (with a prefill); the stream-K launch takes the 16-row tile only
+                        for qlen, stream in ((2, False), (2, True), (8, False), (SHORT_MAX, False),
+                                             (SHORT_MAX + 1, False)):
                             for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0,
                                             alibi=any_feature, sinks=False, max_query_len=qlen, num_splits=2,
-                                            fused=fused, hip=hip, big_smem=big_smem, interp=False):
+                                            fused=fused, hip=hip, big_smem=big_smem, interp=False, stream=stream):
                                 seen.setdefault(variant_key(v), v)
     return list(seen.values())
 

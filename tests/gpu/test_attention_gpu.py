@@ -100,6 +100,21 @@ def test_decode_batches(batch, splits):
 
 
 @pytest.mark.parametrize("fused", [0, 1])
+@pytest.mark.parametrize("feature", ["none", "all"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stream_k_uneven_batch(fused, feature, layout):
+    # 48 sequences of 256-16k keys (one of them a 2-token query), 8 KV heads: 384 programs, fewer than the
+    # GPU's slots, so the dispatcher plans the stream-K launch; twice, so the merge counters are back at zero
+    g = torch.Generator().manual_seed(11)
+    seq_lens = torch.randint(256, 16385, (48,), generator=g).tolist()
+    plan = cfg.decode_config(48, 8, 128, 16, 2, max(seq_lens), torch.cuda.current_device(), True)
+    assert plan.stream > 0, plan
+    with cfg.override(decode_fused_reduce=fused):
+        for seed in (12, 13):
+            _run(layout=layout, q_lens=[1] * 47 + [2], seq_lens=seq_lens, seed=seed, **_features(feature, 32))
+
+
+@pytest.mark.parametrize("fused", [0, 1])
 def test_decode_merge_paths_repeat(fused):
     # in-kernel merge (fused) and reduce_kernel; three calls: the merge counters must come back to zero
     with cfg.override(decode_fused_reduce=fused):
