@@ -181,6 +181,18 @@ def test_stream_k_for_uneven_lengths(fused, feature, layout):
         run_case(layout=layout, q_lens=[1, 2, 1], seq_lens=[700, 40, 3], splits=None, seed=28, **_features(feature))
 
 
+@pytest.mark.parametrize("stream", [1, 2])
+def test_stream_k_past_a_wave(stream):
+    # 20 sequences x 2 KV heads: more programs than the interpreter's 32 slots; ``stream`` 2 plans stream-K
+    # there too (16 programs a head slot), 1 the one-column launch
+    rng = torch.Generator().manual_seed(31)
+    seq_lens = torch.randint(1, 400, (20,), generator=rng).tolist()
+    with cfg.override(stream=stream):
+        plan = cfg.decode_config(20, 2, 32, 16, 2, max(seq_lens), 0, True)
+        assert plan.stream == (16 if stream == 2 else 0), plan
+        run_case(q_lens=[1] * 20, seq_lens=seq_lens, splits=None, seed=32, **_features("sinks"))
+
+
 def test_stream_k_batch_over_one_planning_chunk():
     # 260 sequences (the kernel plans 256 lengths at a time), 1 KV head over 320 slots, runs down to one tile
     rng = torch.Generator().manual_seed(29)

@@ -158,6 +158,11 @@ def num_compute_units(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _slots(units: int, hip: bool, rows: int) -> int:
+    """Decode programs the GPU runs at once (``override(programs_per_sm=)`` for sweeps)."""
+    return units * _OVERRIDES.get("programs_per_sm", (2 if hip else 4) // (2 if rows > 16 else 1))
+
+
 def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip: bool,
                  rows: int = 16) -> tuple[int, int, int]:
     """(split count, ``balance``, waves): how many splits the grid has, the programs of one wave the kernel
@@ -166,8 +171,7 @@ def _pick_splits(programs: int, max_seq_len: int, block_n: int, units: int, hip:
     # 64-row short tile 2 (4 warps, 208 regs, 82 KB); gfx942 2 per CU (174 vgprs), 1 of the short tile's
     # 8 warps. Fewer than ~128 keys per split is all reduce overhead.
     min_keys = _OVERRIDES.get("min_keys_per_split", 128)
-    per_unit = _OVERRIDES.get("programs_per_sm", (2 if hip else 4) // (2 if rows > 16 else 1))
-    slots = units * per_unit
+    slots = _slots(units, hip, rows)
     by_len = cdiv(max_seq_len, max(min_keys, block_n))
     waves = _OVERRIDES.get("split_waves")
     if waves is None:
@@ -235,11 +239,15 @@ def _decode_config(
     if splits is None:
         units = num_compute_units(device_index)
         splits, balance, waves = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip, block_h)
-        if balance and one_block and block_h <= 16 and num_seqs > 1 and _OVERRIDES.get("stream", 1):
+        slots = _slots(units, hip, block_h)
+        stream = _OVERRIDES.get("stream", 1)  # 0: never; 1: below a wave of programs; 2: also at and above
+        min_keys = _OVERRIDES.get("min_keys_per_split", 128)
+        wide = stream > 1 and num_seqs * num_kv_heads >= slots and max_seq_len > min_keys
+        if (balance or wide) and one_block and block_h <= 16 and num_seqs > 1 and stream:
             # Stream-K where the kernel would balance runs (fewer programs than slots): each head slot's share
-            # of the slots walks the batch's key tiles in equal parts. H200 (decode_stream_h200.md): see there.
-            per_slot = max(1, balance // max(num_kv_heads, 1))
-            min_keys = _OVERRIDES.get("min_keys_per_split", 128)
+            # of the slots walks the batch's key tiles in equal parts. H200, graph replay (decode_stream_h200.md):
+            # 64 sequences of 256-16k keys 614 -> 507 us, 16 of them 226 -> 153; equal lengths within 1 %.
+            per_slot = max(1, slots // max(num_kv_heads, 1))
             return replace(tile, num_splits=num_seqs + per_slot, stream=per_slot,
                            min_tiles=cdiv(min_keys, tile.block_n))
     return replace(tile, num_splits=max(1, int(splits)), balance=balance, waves=waves,
