@@ -181,15 +181,17 @@ def test_stream_k_for_uneven_lengths(fused, feature, layout):
         run_case(layout=layout, q_lens=[1, 2, 1], seq_lens=[700, 40, 3], splits=None, seed=28, **_features(feature))
 
 
-@pytest.mark.parametrize("stream", [1, 2])
+@pytest.mark.parametrize("stream", [0, 1])
 def test_stream_k_past_a_wave(stream):
-    # 20 sequences x 2 KV heads: more programs than the interpreter's 32 slots; ``stream`` 2 plans stream-K
-    # there too (16 programs a head slot), 1 the one-column launch
+    # 20 sequences x 2 KV heads: more programs than the interpreter's 32 slots, fewer than STREAM_WAVES waves:
+    # stream-K (16 programs a head slot), or with the knob off the one-column launch; 70 sequences (4.4 waves)
+    # are left to the one-column launch
     rng = torch.Generator().manual_seed(31)
     seq_lens = torch.randint(1, 400, (20,), generator=rng).tolist()
+    assert cfg.decode_config(70, 2, 32, 16, 2, 399, 0, True).stream == 0
     with cfg.override(stream=stream):
         plan = cfg.decode_config(20, 2, 32, 16, 2, max(seq_lens), 0, True)
-        assert plan.stream == (16 if stream == 2 else 0), plan
+        assert plan.stream == 16 * stream, plan
         run_case(q_lens=[1] * 20, seq_lens=seq_lens, splits=None, seed=32, **_features("sinks"))
 
 

@@ -53,6 +53,7 @@ _OVERRIDES: dict[str, int] = {}
 # run (keys) it cuts a second wave's runs to
 SPLIT_WAVES = 2
 RUN_FLOOR = 1024
+STREAM_WAVES = 4  # waves of one-column decode programs up to which a batch goes to the stream-K launch
 KNOBS = (
     "decode_block_n",
     "decode_num_warps",
@@ -240,13 +241,16 @@ def _decode_config(
         units = num_compute_units(device_index)
         splits, balance, waves = _pick_splits(num_seqs * num_kv_heads, max_seq_len, tile.block_n, units, hip, block_h)
         slots = _slots(units, hip, block_h)
-        stream = _OVERRIDES.get("stream", 1)  # 0: never; 1: below a wave of programs; 2: also at and above
         min_keys = _OVERRIDES.get("min_keys_per_split", 128)
-        wide = stream > 1 and num_seqs * num_kv_heads >= slots and max_seq_len > min_keys
-        if (balance or wide) and one_block and block_h <= 16 and num_seqs > 1 and stream:
-            # Stream-K where the kernel would balance runs (fewer programs than slots): each head slot's share
-            # of the slots walks the batch's key tiles in equal parts. H200, graph replay (decode_stream_h200.md):
-            # 64 sequences of 256-16k keys 614 -> 507 us, 16 of them 226 -> 153; equal lengths within 1 %.
+        # Stream-K (each head slot's share of the slots walks the batch's key tiles in equal parts) where the
+        # kernel would balance runs, and up to STREAM_WAVES waves of one-column programs, which the GPU's
+        # scheduler packs unevenly: uneven lengths finish together. H200, bf16 32/8 heads d128, graph replay
+        # (benchmarks/results/decode_stream_h200.md), sequences of 256-16k keys, us: 16 226 -> 153, 64 614 -> 507,
+        # 128 1396 -> 1006, 256 2401 -> 2058; equal lengths 64 x 8k -0.5 %, 128 x 8k +1.7 %, 256 x 8k +1.2 %,
+        # 64 x 8k x q4 +1 %; 512 x 2k (8 waves) +7.9 %, hence the cap (a program walks ~8 sequences there).
+        stream = _OVERRIDES.get("stream", 1) and one_block and block_h <= 16 and num_seqs > 1
+        wide = num_seqs * num_kv_heads < STREAM_WAVES * slots and max_seq_len > min_keys
+        if stream and (balance or wide):
             per_slot = max(1, slots // max(num_kv_heads, 1))
             return replace(tile, num_splits=num_seqs + per_slot, stream=per_slot,
                            min_tiles=cdiv(min_keys, tile.block_n))
