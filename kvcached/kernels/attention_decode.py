@@ -125,14 +125,20 @@ def decode_kernel(
                 lo = _seq_lo(seq_len, q_len, window, BLOCK_N, FEATURES)
                 first = s // per_prog
                 end = tl.minimum(b, e)
-                _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr,
-                        v_scale_ptr, part_ptr, lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks,
-                        group, bs_shift, num_splits, fused, qmax, tblocks, head_size, stride_qt, stride_qh,
-                        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ot, stride_oh,
-                        stride_bt, seq, stream_seqs, hslot, 0, q_start, q_len, seq_len,
-                        seq + p, (e - 1) // per_prog - first + 1, seq + first, p == first,
-                        lo + (cur - s) * BLOCK_N, tl.minimum(lo + (end - s) * BLOCK_N, seq_len),
-                        BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, False, True, INTERP)
+                rows = _rows(q_start, q_len, seq_len, hslot, 0, group, head_size, BLOCK_H, HEAD_PAD, PAD_D)
+                t, h_mask, heads, tok, d, d_mask, q_pos = rows
+                acc, m_i, l_i = _keys(
+                    q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
+                    softcap, window, causal, has_alibi, has_sinks, group, bs_shift, num_splits, stride_qt, stride_qh,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, seq, hslot,
+                    seq_len - q_len, lo + (cur - s) * BLOCK_N, tl.minimum(lo + (end - s) * BLOCK_N, seq_len), 0, 1,
+                    h_mask, heads, tok, d, d_mask, q_pos, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, False,
+                    INTERP,
+                )
+                _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, group, num_splits, fused,
+                        qmax, tblocks, head_size, stride_ot, stride_oh, seq, stream_seqs, hslot, 0, q_start, q_len,
+                        seq + p, (e - 1) // per_prog - first + 1, seq + first, p == first, t, h_mask, heads, tok, d,
+                        d_mask, BLOCK_H, HEAD_PAD, True)
                 cur = end
             seq += 1
             s = e
@@ -178,6 +184,8 @@ def _columns(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_pt
     t0 = tb * per
     if t0 >= q_len:
         return
+    t, h_mask, heads, tok, d, d_mask, q_pos = _rows(q_start, q_len, seq_len, hslot, tb, group, head_size, BLOCK_H,
+                                                    HEAD_PAD, PAD_D)
     ctx = seq_len - q_len
     last = ctx + tl.minimum(t0 + per, q_len) - 1  # the position of this program's last token
     lo = seq_len * 0
@@ -217,15 +225,15 @@ def _columns(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_pt
     parts = tl.maximum(parts, 1)
     if split >= parts:
         return  # the merge takes the first ``parts`` partials only
-    # parts 1: span >= hi - lo, the whole range
-    span = tl.cdiv(tl.cdiv(hi - lo, parts), BLOCK_N) * BLOCK_N
-    lo = lo + split * span
-    _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-            part_ptr, lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks, group, bs_shift, num_splits,
-            fused, qmax, tblocks, head_size, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
-            stride_vt, stride_vh, stride_ot, stride_oh, stride_bt, seq, num_seqs, hslot, tb, q_start, q_len,
-            seq_len, split, parts, 0, split == 0, lo, tl.minimum(lo + span, hi),
-            BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, False, INTERP)
+    acc, m_i, l_i = _keys(
+        q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, sm_scale, softcap,
+        window, causal, has_alibi, has_sinks, group, bs_shift, num_splits, stride_qt, stride_qh, stride_kb, stride_kt,
+        stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, seq, hslot, ctx + t0, lo, hi, split, parts, h_mask,
+        heads, tok, d, d_mask, q_pos, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, INTERP,
+    )
+    _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, group, num_splits, fused, qmax, tblocks,
+            head_size, stride_ot, stride_oh, seq, num_seqs, hslot, tb, q_start, q_len, split, parts, 0, split == 0, t,
+            h_mask, heads, tok, d, d_mask, BLOCK_H, HEAD_PAD, False)
 
 
 @triton.jit
@@ -250,42 +258,41 @@ def _seq_tiles(b, num_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N: tl.con
 
 
 @triton.jit
-def _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, part_ptr,
-            lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks, group, bs_shift, num_splits, fused,
-            qmax, tblocks, head_size, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-            stride_vh, stride_ot, stride_oh, stride_bt, seq, num_seqs, hslot, tb, q_start, q_len, seq_len,
-            split, parts, first, is_first, lo, hi,
-            BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-            FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, STREAMED: tl.constexpr,
-            INTERP: tl.constexpr):
-    """Keys ``[lo, hi)`` of one (sequence, head slot, token block): the output (``num_splits`` 1), or partial
-    slot ``split`` (one of ``parts``, from slot ``first``) of the sequence's workspace rows, and the merge if this
-    is the last of them to end. ``STREAMED``: the stream-K launch, whose sequences share one set of rows."""
+def _rows(q_start, q_len, seq_len, hslot, tb, group, head_size, BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr,
+          PAD_D: tl.constexpr):
+    """A program's rows (query token ``t``, head ``heads``) and head dimensions: (t, row mask, heads, token
+    index, d, d mask, the rows' positions)."""
     chunks = tl.cdiv(group, BLOCK_H)
     hc = tl.minimum(group, BLOCK_H)  # heads of the group in one program
     per = BLOCK_H // hc  # query tokens in one program
-    kv_head = hslot // chunks
-    h0 = (hslot % chunks) * BLOCK_H  # first head of this chunk within the group
-    t0 = tb * per
     r = tl.arange(0, BLOCK_H)
-    t = t0 + r // hc
-    h = h0 + r % hc
+    t = tb * per + r // hc
+    h = (hslot % chunks) * BLOCK_H + r % hc
     h_mask = (r < per * hc) & (h < group) & (t < q_len)
-    heads = kv_head * group + h
+    heads = (hslot // chunks) * group + h
     tok = (q_start + t).to(tl.int64)
     d = tl.arange(0, HEAD_PAD)
     if PAD_D:
         d_mask = d < head_size  # a multiple of 16: Triton specialises on it, loads stay vectorised
     else:
         d_mask = d < HEAD_PAD
-    ctx = seq_len - q_len
-    q_pos = ctx + t
+    return t, h_mask, heads, tok, d, d_mask, seq_len - q_len + t
+
+
+@triton.jit
+def _keys(q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, sm_scale, softcap,
+          window, causal, has_alibi, has_sinks, group, bs_shift, num_splits, stride_qt, stride_qh, stride_kb,
+          stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, seq, hslot, first_pos, lo, hi, run, runs,
+          h_mask, heads, tok, d, d_mask, q_pos,
+          BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+          FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, INTERP: tl.constexpr):
+    """Run ``run`` of ``runs`` (equal runs of whole tiles) of keys ``[lo, hi)`` for the rows: (acc, max, sum).
+    ``first_pos``: the first row's position."""
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-
     qk_scale = sm_scale * LOG2E
     if FP8_KV:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -300,6 +307,11 @@ def _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr,
             l_i = tl.zeros([BLOCK_H], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_H, HEAD_PAD], dtype=tl.float32)
 
+    # runs 1: span >= hi - lo, the whole range (here, after the query's load: sm90's 32-row tile spills otherwise)
+    span = tl.cdiv(tl.cdiv(hi - lo, runs), BLOCK_N) * BLOCK_N
+    lo = lo + run * span
+    hi = tl.minimum(lo + span, hi)
+    kv_head = hslot // tl.cdiv(group, BLOCK_H)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -308,7 +320,7 @@ def _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr,
     # 64 x 8k x q16 658 -> 641 us; the 16- and 32-row tiles lost 1-2 % (registers spilled), so they keep one loop.
     full_hi = lo
     if UNMASKED:
-        full_hi = tl.maximum(tl.minimum(((ctx + t0 + 1) // BLOCK_N) * BLOCK_N, hi), lo)
+        full_hi = tl.maximum(tl.minimum(((first_pos + 1) // BLOCK_N) * BLOCK_N, hi), lo)
     for start in range(lo, full_hi, BLOCK_N):
         acc, m_i, l_i = attn_tile(
             acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
@@ -323,7 +335,17 @@ def _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr,
         )  # fmt: skip
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr)
+    return acc, m_i, l_i
 
+
+@triton.jit
+def _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, group, num_splits, fused, qmax,
+            tblocks, head_size, stride_ot, stride_oh, seq, num_seqs, hslot, tb, q_start, q_len, split, parts, first,
+            is_first, t, h_mask, heads, tok, d, d_mask,
+            BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, STREAMED: tl.constexpr):
+    """The output (``num_splits`` 1), or partial slot ``split`` (one of ``parts``, from slot ``first``) of the
+    sequence's workspace rows and the merge if this is the last of them to end. ``STREAMED``: the stream-K
+    launch, whose sequences share one set of rows."""
     if num_splits == 1:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -336,6 +358,7 @@ def _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr,
         # part_ptr: outputs [rows_total = (num_seqs or 1) * qmax * num_heads * num_splits, HEAD_PAD], then
         # (max, sum) [rows_total, 2], then how many partials each (sequence, token row, head) has and the slot
         # of its first [2, num_seqs * qmax * num_heads] (for reduce_kernel)
+        chunks = tl.cdiv(group, BLOCK_H)
         num_heads = tl.num_programs(1) // chunks * group
         pseq = seq
         pseqs = num_seqs
@@ -365,10 +388,14 @@ def _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, alibi_ptr, sinks_ptr,
             ticket = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
             if ticket == parts - 1:
                 tl.debug_barrier()
+                hc = tl.minimum(group, BLOCK_H)
+                per = BLOCK_H // hc
+                t0 = tb * per
+                h0 = (hslot % chunks) * BLOCK_H
                 heads_here = tl.minimum(hc, group - h0)
                 for i in range(0, tl.minimum(per, q_len - t0) * heads_here):
                     ti = t0 + i // heads_here
-                    head = kv_head * group + h0 + i % heads_here
+                    head = (hslot // chunks) * group + h0 + i % heads_here
                     merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + ti,
                                  ((pseq.to(tl.int64) * qmax + ti) * num_heads + head) * num_splits + first, head,
                                  parts, has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD, 4096)
