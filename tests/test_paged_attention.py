@@ -183,12 +183,13 @@ def test_stream_k_for_uneven_lengths(fused, feature, layout):
 
 @pytest.mark.parametrize("stream", [0, 1])
 def test_stream_k_past_a_wave(stream):
-    # 20 sequences x 2 KV heads: more programs than the interpreter's 32 slots, fewer than STREAM_WAVES waves:
-    # stream-K (16 programs a head slot), or with the knob off the one-column launch; 70 sequences (4.4 waves)
+    # 20 sequences x 2 KV heads: more programs than the interpreter's 32 slots, at most STREAM_SEQS (2) sequences
+    # a stream-K program (16 a head slot): stream-K, or with the knob off the one-column launch; 33 sequences
     # are left to the one-column launch
     rng = torch.Generator().manual_seed(31)
     seq_lens = torch.randint(1, 400, (20,), generator=rng).tolist()
-    assert cfg.decode_config(70, 2, 32, 16, 2, 399, 0, True).stream == 0
+    assert cfg.decode_config(32, 2, 32, 16, 2, 399, 0, True).stream == 16
+    assert cfg.decode_config(33, 2, 32, 16, 2, 399, 0, True).stream == 0
     with cfg.override(stream=stream):
         plan = cfg.decode_config(20, 2, 32, 16, 2, max(seq_lens), 0, True)
         assert plan.stream == 16 * stream, plan

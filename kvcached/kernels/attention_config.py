@@ -53,7 +53,7 @@ _OVERRIDES: dict[str, int] = {}
 # run (keys) it cuts a second wave's runs to
 SPLIT_WAVES = 2
 RUN_FLOOR = 1024
-STREAM_WAVES = 4  # waves of one-column decode programs up to which a batch goes to the stream-K launch
+STREAM_SEQS = 2  # sequences per stream-K program (on average) up to which a batch goes to the stream-K launch
 KNOBS = (
     "decode_block_n",
     "decode_num_warps",
@@ -243,15 +243,17 @@ def _decode_config(
         slots = _slots(units, hip, block_h)
         min_keys = _OVERRIDES.get("min_keys_per_split", 128)
         # Stream-K (each head slot's share of the slots walks the batch's key tiles in equal parts) where the
-        # kernel would balance runs, and up to STREAM_WAVES waves of one-column programs, which the GPU's
-        # scheduler packs unevenly: uneven lengths finish together. H200, bf16 32/8 heads d128, graph replay
-        # (benchmarks/results/decode_stream_h200.md), sequences of 256-16k keys, us: 16 226 -> 153, 64 614 -> 507,
-        # 128 1396 -> 1006, 256 2401 -> 2058; equal lengths 64 x 8k -0.5 %, 128 x 8k +1.7 %, 256 x 8k +1.2 %,
-        # 64 x 8k x q4 +1 %; 512 x 2k (8 waves) +7.9 %, hence the cap (a program walks ~8 sequences there).
+        # kernel would balance runs, and past a wave of one-column programs (which the GPU's scheduler packs
+        # unevenly) while a program walks at most STREAM_SEQS sequences on average. H200, bf16 32/8 heads d128,
+        # graph replay (benchmarks/results/decode_stream_h200.md), sequences of 256-16k keys, us: 16 226 -> 153,
+        # 64 614 -> 507, 96 1108 -> 771, 128 1396 -> 1006 (2 a program), 256 2401 -> 2058; equal lengths 64 x 8k
+        # -0.5 %, 128 x 8k +1.7 %, 256 x 8k +1.2 %, 64 x 8k x q4 +1 %, but 512 x 2k +7.9 % and 256 x 1k +16 %
+        # (kernels_h200_streamk_0d6badb.md against kernels_h200.md; 4-8 sequences a program, each a restart of
+        # the key pipeline and a partial to merge), hence the cap (128 x 1k, 2 a program, is not measured).
         stream = _OVERRIDES.get("stream", 1) and one_block and block_h <= 16 and num_seqs > 1
-        wide = num_seqs * num_kv_heads < STREAM_WAVES * slots and max_seq_len > min_keys
+        per_slot = max(1, slots // max(num_kv_heads, 1))
+        wide = num_seqs <= STREAM_SEQS * per_slot and max_seq_len > min_keys
         if stream and (balance or wide):
-            per_slot = max(1, slots // max(num_kv_heads, 1))
             return replace(tile, num_splits=num_seqs + per_slot, stream=per_slot,
                            min_tiles=cdiv(min_keys, tile.block_n))
     return replace(tile, num_splits=max(1, int(splits)), balance=balance, waves=waves,
