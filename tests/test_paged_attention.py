@@ -181,6 +181,17 @@ def test_stream_k_for_uneven_lengths(fused, feature, layout):
         run_case(layout=layout, q_lens=[1, 2, 1], seq_lens=[700, 40, 3], splits=None, seed=28, **_features(feature))
 
 
+@pytest.mark.parametrize("fused", [0, 1])
+def test_stream_k_beside_a_prefill(fused):
+    # MHA (group 1): 16 rows hold 16 tokens of one head, so decodes and short queries fit one block even beside
+    # a prefill, and the batch goes to the stream-K launch; the prefill and the empty query get no key tiles there
+    q_lens, seq_lens = [1, 40, 3, 0, 16, 1], [300, 40, 90, 5, 500, 7]
+    plan = cfg.decode_config(len(q_lens), 2, 32, 16, 2, max(seq_lens), 0, True)
+    assert plan.stream > 0, plan
+    with cfg.override(decode_fused_reduce=fused):
+        run_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=2, num_kv_heads=2, splits=None, seed=33)
+
+
 @pytest.mark.parametrize("stream", [0, 1])
 def test_stream_k_past_a_wave(stream):
     # 20 sequences x 2 KV heads: more programs than the interpreter's 32 slots, at most STREAM_SEQS (2) sequences
