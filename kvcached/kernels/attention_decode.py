@@ -15,7 +15,10 @@ more programs than a short one) and each program with a run writes its running m
 sum and unnormalised output (fp32), the others return at once; the merge (which alone
 counts the sink logit) takes the runs a row has, done either by the last program of each
 (sequence, KV head, head chunk) to finish, found with a self-resetting atomic counter
-(``fused`` 1: one launch), or by ``reduce_kernel`` (a second launch). Group size,
+(``fused`` 1: one launch), or by ``reduce_kernel`` (a second launch). The stream-K launch
+(``STREAM``, for batches whose queries each fit one program) has a fixed set of programs per
+head slot instead, which share the batch's key tiles equally in sequence order; a program
+writes a partial for every sequence it touches and the same merge combines them. Group size,
 block size, split count and every feature are run-time values, and so is the head
 size within its power-of-two tile (80 and 96 share the 128 tile, ``PAD_D``), so one
 compile per (dtypes, tile, ``FEATURES``) serves every shape.
