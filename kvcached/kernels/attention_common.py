@@ -137,3 +137,35 @@ def attn_tile(
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
+
+
+@triton.jit
+def attn_tiles(
+    acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
+    stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
+    BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, LEAD: tl.constexpr, FEATURES: tl.constexpr, FP8_KV: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """:func:`attn_tile` over keys ``[lo, hi)`` a tile at a time: the tiles from ``full_lo`` to ``full_hi`` whole
+    for every row (no masks), the others masked. ``LEAD`` False: there are no masked tiles before ``full_lo``
+    (the caller passes ``full_lo == lo``, and the loop is not compiled)."""
+    if LEAD:
+        for start in range(lo, full_lo, BLOCK_N):
+            acc, m_i, l_i = attn_tile(
+                acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
+                stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, True,
+                FEATURES, FP8_KV, INTERP,
+            )
+    for start in range(full_lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = attn_tile(
+            acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
+            stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False, True, FEATURES,
+            FP8_KV, INTERP,
+        )
+    for start in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = attn_tile(
+            acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
+            stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, True, FEATURES,
+            FP8_KV, INTERP,
+        )
+    return acc, m_i, l_i

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
+from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tiles
 
 # run-time scalars whose value must not make Triton compile another specialisation
 _NO_SPECIALISE = ["group", "bs_shift", "num_splits", "balance", "waves", "run_floor", "fused", "window", "causal",
@@ -102,8 +102,7 @@ def decode_kernel(
         p = tl.program_id(0)
         total = tl.sum(tl.zeros([256], dtype=tl.int32), 0)
         for b0 in range(0, stream_seqs, 256):
-            total += tl.sum(_seq_tiles(b0 + tl.arange(0, 256), stream_seqs, seq_lens_ptr, qsl_ptr, window, qmax,
-                                       BLOCK_N, FEATURES), 0)
+            total += tl.sum(_batch_tiles(b0, stream_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N, FEATURES), 0)
         per_prog = tl.maximum(tl.cdiv(total, tl.num_programs(0)), min_tiles)
         a = p * per_prog
         b = tl.minimum(a + per_prog, total)
@@ -112,8 +111,7 @@ def decode_kernel(
         s = total * 0
         chunk_base = total * 0
         for b0 in range(0, stream_seqs, 256):
-            tiles = _seq_tiles(b0 + tl.arange(0, 256), stream_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N,
-                               FEATURES)
+            tiles = _batch_tiles(b0, stream_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N, FEATURES)
             before = chunk_base + tl.cumsum(tiles, 0) <= a
             seq += tl.sum(before.to(tl.int32), 0)
             s += tl.sum(tl.where(before, tiles, 0), 0)
@@ -123,7 +121,7 @@ def decode_kernel(
             q_start = tl.load(qsl_ptr + seq)
             q_len = tl.load(qsl_ptr + seq + 1) - q_start
             seq_len = tl.load(seq_lens_ptr + seq)
-            e = s + _seq_tiles(seq, stream_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N, FEATURES)
+            e = s + _seq_tiles(seq_len, q_len, window, qmax, BLOCK_N, FEATURES)
             if e > cur:
                 lo = _seq_lo(seq_len, q_len, window, BLOCK_N, FEATURES)
                 first = s // per_prog
@@ -250,14 +248,21 @@ def _seq_lo(seq_len, q_len, window, BLOCK_N: tl.constexpr, FEATURES: tl.constexp
 
 
 @triton.jit
-def _seq_tiles(b, num_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N: tl.constexpr, FEATURES: tl.constexpr):
-    """Key tiles of sequence(s) ``b`` for a one-block query (0 for a query the kernel does not take)."""
+def _seq_tiles(seq_len, q_len, window, qmax, BLOCK_N: tl.constexpr, FEATURES: tl.constexpr):
+    """Key tiles of a one-block query (0 for a query the kernel does not take); scalars or vectors."""
+    tiles = tl.cdiv(seq_len - _seq_lo(seq_len, q_len, window, BLOCK_N, FEATURES), BLOCK_N)
+    return tl.where((q_len >= 1) & (q_len <= qmax), tiles, 0)
+
+
+@triton.jit
+def _batch_tiles(b0, num_seqs, seq_lens_ptr, qsl_ptr, window, qmax, BLOCK_N: tl.constexpr, FEATURES: tl.constexpr):
+    """:func:`_seq_tiles` of sequences ``b0`` to ``b0 + 255`` (0 past the batch: an empty query)."""
+    b = b0 + tl.arange(0, 256)
     ok = b < num_seqs
     q_start = tl.load(qsl_ptr + b, mask=ok, other=0)
     q_len = tl.load(qsl_ptr + b + 1, mask=ok, other=0) - q_start
     seq_len = tl.load(seq_lens_ptr + b, mask=ok, other=0)
-    tiles = tl.cdiv(seq_len - _seq_lo(seq_len, q_len, window, BLOCK_N, FEATURES), BLOCK_N)
-    return tl.where(ok & (q_len >= 1) & (q_len <= qmax), tiles, 0)
+    return _seq_tiles(seq_len, q_len, window, qmax, BLOCK_N, FEATURES)
 
 
 @triton.jit
@@ -324,18 +329,11 @@ def _keys(q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_pt
     full_hi = lo
     if UNMASKED:
         full_hi = tl.maximum(tl.minimum(((first_pos + 1) // BLOCK_N) * BLOCK_N, hi), lo)
-    for start in range(lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = attn_tile(
-            acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
-            BLOCK_N, PAD_D, False, True, FEATURES, FP8_KV, INTERP,
-        )  # fmt: skip
-    for start in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = attn_tile(
-            acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
-            BLOCK_N, PAD_D, True, True, FEATURES, FP8_KV, INTERP,
-        )  # fmt: skip
+    acc, m_i, l_i = attn_tiles(
+        acc, m_i, l_i, q, lo, lo, full_hi, hi, q_pos, slope, k_head, v_head, bt_row, stride_kb, stride_kt, stride_vb,
+        stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False, FEATURES, FP8_KV,
+        INTERP,
+    )
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr)
     return acc, m_i, l_i

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tile
+from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tiles
 
 # run-time scalars whose value must not make Triton compile another specialisation
 _NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks", "short_max", "num_seqs"]
@@ -155,24 +155,11 @@ def prefill_kernel(
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(lo, full_lo, BLOCK_N):
-        acc, m_i, l_i = attn_tile(
-            acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
-            BLOCK_N, PAD_D, True, True, FEATURES, FP8_KV, INTERP,
-        )  # fmt: skip
-    for start in range(full_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = attn_tile(
-            acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
-            BLOCK_N, PAD_D, False, True, FEATURES, FP8_KV, INTERP,
-        )  # fmt: skip
-    for start in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = attn_tile(
-            acc, m_i, l_i, q, start, hi, q_pos, slope, k_head, v_head, bt_row,
-            stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
-            BLOCK_N, PAD_D, True, True, FEATURES, FP8_KV, INTERP,
-        )  # fmt: skip
+    acc, m_i, l_i = attn_tiles(
+        acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_head, v_head, bt_row, stride_kb, stride_kt,
+        stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, FEATURES,
+        FP8_KV, INTERP,
+    )
 
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr)
