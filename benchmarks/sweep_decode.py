@@ -4,12 +4,14 @@
     python benchmarks/sweep_decode.py --cases 64x8192x1,64xux1 --sweep '[{}, {"split_waves": 0}]'
     python benchmarks/sweep_decode.py --root OLD_CHECKOUT --tag old     # another kvcached, for an A/B
 
-A case is ``BxCxQ``: B sequences of C context keys (``u``: uniform draws from 256..16384,
-fixed seed) with Q new tokens each; bf16, 32 query / 8 KV heads, head 128, block 16,
-block tables from randperm. ``--sweep`` is a JSON list of ``attention_config.override``
-knob sets. Each line printed: the case, the knobs, graph time (us), TB/s (K+V read once +
-q/out), and the largest error of the first 64 sequences against float64. Ends with the
-register / spill / shared-memory use of every decode kernel compiled (GPU only).
+A case is ``BxCxQ``: B sequences of C context keys (``u``: uniform draws from 256..16384, fixed
+seed) with Q new tokens each, or ``BxCxQxM`` with ``max_seq_len`` M passed instead of the
+longest length (as a vLLM CUDA graph captured at ``max_model_len`` M passes it); bf16, 32 query
+/ 8 KV heads, head 128, block 16, block tables from randperm. ``--sweep`` is a JSON list of
+``attention_config.override`` knob sets. Each line printed: the case, the knobs, graph time
+(us), TB/s (K+V read once + q/out), and the largest error of the first 64 sequences against
+float64. Ends with the register / spill / shared-memory use of every decode kernel compiled
+(GPU only).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--root", default=".", help="the kvcached checkout to import (for an A/B against another)")
 ap.add_argument("--tag", default="head", help="label of the printed lines")
-ap.add_argument("--cases", default="64x8192x1", help="comma-separated BxCxQ")
+ap.add_argument("--cases", default="64x8192x1", help="comma-separated BxCxQ or BxCxQxM")
 ap.add_argument("--sweep", default="[{}]", help="JSON list of override knob sets")
 ARGS = ap.parse_args()
 
@@ -31,16 +33,18 @@ kvcached, pa, cfg, ref = kernel_modules(ARGS.root)
 
 
 def run_case(case: str, sweep: list[dict], dev: torch.device) -> None:
-    b, c, n = case.split("x")
+    b, c, n, *bound = case.split("x")
     b, n = int(b), int(n)
     gen = torch.Generator().manual_seed(1)
     lens_l = torch.randint(256, 16385, (b,), generator=gen).tolist() if c == "u" else [int(c)] * b
-    mx = max(lens_l)
-    nb = mx // BLOCK + 1
+    mx = max([*lens_l, *(int(m) for m in bound)])
+    nb = max(lens_l) // BLOCK + 1
     torch.manual_seed(0)
     kc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
     vc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
     table = torch.randperm(b * nb, device=dev).to(torch.int32).view(b, nb)
+    # columns up to the bound (never read: past every length), so the cache holds only the real keys
+    table = torch.nn.functional.pad(table, (0, mx // BLOCK + 1 - nb))
     lens = torch.tensor(lens_l, dtype=torch.int32, device=dev)
     qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * n
     q = torch.randn(b * n, Q_HEADS, HEAD, dtype=DT, device=dev)

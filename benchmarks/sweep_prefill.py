@@ -11,7 +11,8 @@ cached ones; those chunks beside 60 decodes of 8k (the mixed batch of bench_peer
 only the causal pairs (4 x heads x head size x visible keys per query token). Each time
 is the median of 3 CUDA-graph captures (min..max shown), after the last 64 query rows of
 the first and last sequence are checked against float64. ``--tiles`` is a comma-separated
-list of BLOCK_MxBLOCK_NxWARPSxSTAGES for ``attention_config.override``. With ``--profile``
+list of BLOCK_MxBLOCK_NxWARPSxSTAGES[xAHEAD] for ``attention_config.override`` (AHEAD: 1 loads
+each key tile's block ids a tile ahead, 0 in the tile's own iteration; left out: the default). With ``--profile``
 the mixed batch also gets a per-kernel breakdown from torch.profiler.
 """
 
@@ -27,7 +28,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--root", default=".", help="the kvcached checkout to import (for an A/B against another)")
 ap.add_argument("--tag", default="head", help="label of this run (file name: prefill_tiles_<gpu>_<tag>.md)")
 ap.add_argument("--tiles", default="256x64x16x3,256x64x8x3,128x128x8x3,256x64x16x2,256x32x16x3,128x64x4x4",
-                help="BLOCK_MxBLOCK_NxWARPSxSTAGES override sets, after the defaults ('' for none)")
+                help="BLOCK_MxBLOCK_NxWARPSxSTAGES[xAHEAD] override sets, after the defaults ('' for none)")
 ap.add_argument("--profile", action="store_true", help="per-kernel times of the mixed batch (torch.profiler)")
 ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
 ARGS = ap.parse_args()
@@ -118,9 +119,10 @@ def main() -> None:
                  "kernels (profiler)"])
     runs = [(None, c) for c in CASES] + [(t, c) for t in tiles for c in CASES if c[0] in TILED]
     for tile, (name, ql, sl, extra) in runs:
-        knobs = {} if tile is None else dict(zip(
-            ("prefill_block_m", "prefill_block_n", "prefill_num_warps", "prefill_num_stages"), tile, strict=True))
-        label = "default" if tile is None else "{}x{}, {}, {}".format(*tile)
+        names = ("prefill_block_m", "prefill_block_n", "prefill_num_warps", "prefill_num_stages", "prefill_bt_ahead")
+        knobs = {} if tile is None else dict(zip(names[:len(tile)], tile, strict=True))
+        label = "default" if tile is None else "{}x{}, {}, {}".format(*tile) + (
+            f", ids ahead {tile[4]}" if len(tile) > 4 else "")
         try:
             t, lo, hi, tflops, err, prof = run(name, ql, sl, extra, knobs)
             torch.cuda.empty_cache()  # the case's cache went with run()

@@ -139,6 +139,20 @@ def test_prefill_hopper_tiles(feature):
         run_case(q_lens=[1, 150, 40, 1], seq_lens=[45, 200, 40, 17], seed=16, **_features(feature))
 
 
+@pytest.mark.parametrize("ahead", [0, 1])
+@pytest.mark.parametrize("feature", ["none", "window", "all"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_ids_a_tile_ahead_or_not(ahead, feature, layout):
+    # Both key loops of attention_common._tile_run (the interpreter's default loads block ids a tile ahead): the
+    # window's masked lead, the unmasked middle and the masked tail of the prefill, one-column decodes with
+    # splits, a short query, and (second call) the stream-K launch; block size 16 against 32-key tiles, so a
+    # tile spans two blocks and the last tile of most sequences is partial
+    with cfg.override(decode_bt_ahead=ahead, prefill_bt_ahead=ahead):
+        run_case(layout=layout, q_lens=[1, 150, 5, 1, 40], seq_lens=[300, 200, 90, 17, 40], seed=41,
+                 **_features(feature))
+        run_case(layout=layout, q_lens=[1, 3, 1], seq_lens=[500, 70, 9], splits=None, seed=42, **_features(feature))
+
+
 @pytest.mark.parametrize("fused", [0, 1])
 def test_split_merge_paths_and_repeat(fused):
     # the in-kernel merge leaves its counters at zero: a second call (other lengths) is right too

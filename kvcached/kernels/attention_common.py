@@ -61,8 +61,10 @@ def attn_tile(
     FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
     INTERP: tl.constexpr,
+    blk_ids=None,
 ):
-    """``k_ptr``/``v_ptr`` already point at the KV head; ``bt_row_ptr`` at the block-table row.
+    """``k_ptr``/``v_ptr`` already point at the KV head; ``bt_row_ptr`` at the block-table row; ``blk_ids``: the
+    tile's block ids when the caller has loaded them (else they are loaded here).
 
     ``MASK`` False means every key of the tile is visible to every row and lies
     below ``key_hi`` (interior tiles): no per-key masks at all. Without ``FEATURES``
@@ -72,6 +74,9 @@ def attn_tile(
     keys = start + tl.arange(0, BLOCK_N)
     if MASK:
         in_range = keys < key_hi
+    if blk_ids is not None:
+        blk = blk_ids.to(tl.int64)
+    elif MASK:
         blk = tl.load(bt_row_ptr + (keys >> bs_shift), mask=in_range, other=0).to(tl.int64)
     else:
         blk = tl.load(bt_row_ptr + (keys >> bs_shift)).to(tl.int64)
@@ -140,32 +145,67 @@ def attn_tile(
 
 
 @triton.jit
+def _tile_run(
+    acc, m_i, l_i, q, run_lo, run_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
+    stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
+    BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, FEATURES: tl.constexpr, FP8_KV: tl.constexpr,
+    BT_AHEAD: tl.constexpr, INTERP: tl.constexpr,
+):
+    """:func:`attn_tile` over the tiles from ``run_lo`` to ``run_hi`` (keys past ``hi`` masked when ``MASK``).
+
+    ``BT_AHEAD``: each iteration loads the next tile's block ids into registers. Loaded in the iteration that
+    uses them, they are a global load the K/V addresses wait on, and Triton 3.6's pipeliner then issues the
+    next tile's K/V copies only at the end of the iteration and waits for all copies at its top
+    (``async_wait {num = 0}`` in the sm90 TTGIR): no load overlaps the QK product or the softmax. With the ids
+    a tile ahead, the copies go two tiles ahead (``num = 2``; one more K/V buffer in shared memory).
+    """
+    if BT_AHEAD:
+        ar = tl.arange(0, BLOCK_N)
+        nxt = run_lo + ar
+        blk_n = tl.load(bt_row_ptr + (nxt >> bs_shift), mask=(nxt < run_hi) & (nxt < hi), other=0)
+        for start in range(run_lo, run_hi, BLOCK_N):
+            blk = blk_n
+            nxt = start + BLOCK_N + ar
+            blk_n = tl.load(bt_row_ptr + (nxt >> bs_shift), mask=(nxt < run_hi) & (nxt < hi), other=0)
+            acc, m_i, l_i = attn_tile(
+                acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
+                stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, MASK, True,
+                FEATURES, FP8_KV, INTERP, blk,
+            )
+    else:
+        for start in range(run_lo, run_hi, BLOCK_N):
+            acc, m_i, l_i = attn_tile(
+                acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
+                stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, MASK, True,
+                FEATURES, FP8_KV, INTERP,
+            )
+    return acc, m_i, l_i
+
+
+@triton.jit
 def attn_tiles(
     acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
     stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
     BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, LEAD: tl.constexpr, FEATURES: tl.constexpr, FP8_KV: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, BT_AHEAD: tl.constexpr = False,
 ):
     """:func:`attn_tile` over keys ``[lo, hi)`` a tile at a time: the tiles from ``full_lo`` to ``full_hi`` whole
     for every row (no masks), the others masked. ``LEAD`` False: there are no masked tiles before ``full_lo``
-    (the caller passes ``full_lo == lo``, and the loop is not compiled)."""
+    (the caller passes ``full_lo == lo``, and the loop is not compiled). ``BT_AHEAD``: see :func:`_tile_run`."""
     if LEAD:
-        for start in range(lo, full_lo, BLOCK_N):
-            acc, m_i, l_i = attn_tile(
-                acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
-                stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, True,
-                FEATURES, FP8_KV, INTERP,
-            )
-    for start in range(full_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = attn_tile(
-            acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
-            stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False, True, FEATURES,
-            FP8_KV, INTERP,
+        acc, m_i, l_i = _tile_run(
+            acc, m_i, l_i, q, lo, full_lo, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
+            stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True,
+            FEATURES, FP8_KV, BT_AHEAD, INTERP,
         )
-    for start in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = attn_tile(
-            acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
-            stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, True, FEATURES,
-            FP8_KV, INTERP,
-        )
+    acc, m_i, l_i = _tile_run(
+        acc, m_i, l_i, q, full_lo, full_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
+        stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False,
+        FEATURES, FP8_KV, BT_AHEAD, INTERP,
+    )
+    acc, m_i, l_i = _tile_run(
+        acc, m_i, l_i, q, full_hi, hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
+        stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True,
+        FEATURES, FP8_KV, BT_AHEAD, INTERP,
+    )
     return acc, m_i, l_i

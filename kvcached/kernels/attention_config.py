@@ -42,6 +42,7 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     waves_per_eu: int = 0
+    bt_ahead: bool = False  # load the next key tile's block ids a tile ahead (attention_common._tile_run)
 
     @property
     def options(self) -> dict[str, int]:
@@ -76,6 +77,8 @@ KNOBS = (
     "split_run_floor",
     "split_room",
     "stream",
+    "decode_bt_ahead",
+    "prefill_bt_ahead",
 )
 
 
@@ -110,6 +113,24 @@ def short_rows(default: int) -> int:
 def token_blocks_inner(default: bool) -> bool:
     """Launch a sequence's token blocks side by side (``override(tb_inner=)`` for sweeps)."""
     return bool(_OVERRIDES.get("tb_inner", default))
+
+
+def decode_bt_ahead(rows: int, hip: bool, big_smem: bool, interp: bool) -> bool:
+    """Does the decode program with ``rows`` query rows load each key tile's block ids a tile ahead?
+
+    ``attention_common._tile_run`` says why that deepens Triton's K/V pipeline. H200, bf16 32/8 heads d128, graph
+    replay (benchmarks/results/decode_ahead_h200.md): the 64-row short tile (3 K/V buffers, 112 KiB of shared
+    memory) 64 x 8k x q16 631 -> 510 us, 8 x 8k x q16 119 -> 107; the 16-row tile lost 1-37 % (72 KiB: 3 programs
+    an SM instead of 4; with 2 stages 1-2 %), the 32-row tile 2-34 %. Only where a block may use >= 200 KiB of
+    shared memory (``big_smem``: the third buffer does not fit sm86/sm89's 99 KiB, and other GPUs are not
+    measured); AMD: not measured, so not taken. The interpreter takes it (the CPU tests cover that loop;
+    tests/test_paged_attention.py also the other).
+    ``override(decode_bt_ahead=)`` sets it for every tile.
+    """
+    knob = _OVERRIDES.get("decode_bt_ahead")
+    if knob is not None:
+        return bool(knob)
+    return interp or (big_smem and not hip and rows >= 64)
 
 
 def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: bool, hopper: bool = False) -> int:
@@ -148,7 +169,8 @@ def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
                    block_n=o.get("prefill_block_n", base.block_n),
                    num_warps=o.get("prefill_num_warps", base.num_warps),
                    num_stages=o.get("prefill_num_stages", base.num_stages),
-                   waves_per_eu=o.get("prefill_waves_per_eu", base.waves_per_eu))
+                   waves_per_eu=o.get("prefill_waves_per_eu", base.waves_per_eu),
+                   bt_ahead=bool(o.get("prefill_bt_ahead", base.bt_ahead)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -249,7 +271,10 @@ def _decode_config(
         # 64 614 -> 507, 96 1108 -> 771, 128 1396 -> 1006 (2 a program), 256 2401 -> 2058; equal lengths 64 x 8k
         # -0.5 %, 128 x 8k +1.7 %, 256 x 8k +1.2 %, 64 x 8k x q4 +1 %, but 512 x 2k +7.9 % and 256 x 1k +16 %
         # (kernels_h200_streamk_0d6badb.md against kernels_h200.md; 4-8 sequences a program, each a restart of
-        # the key pipeline and a partial to merge), hence the cap (128 x 1k, 2 a program, is not measured).
+        # the key pipeline and a partial to merge), hence the cap. Under a CUDA graph max_seq_len is vLLM's
+        # max_model_len, so batches of up to 132 sequences take it whatever their lengths: with a program's whole
+        # sequences written directly (decode_ahead_h200.md, run C), equal short contexts cost 5-12 % over the
+        # one-column launch (128 x 1k 150 against 143 us, 132 x 256 60 / 53), uneven ones gain 20-30 %.
         stream = _OVERRIDES.get("stream", 1) and one_block and block_h <= 16 and num_seqs > 1
         per_slot = max(1, slots // max(num_kv_heads, 1))
         wide = num_seqs <= STREAM_SEQS * per_slot and max_seq_len > min_keys
@@ -276,7 +301,7 @@ def large_shared_memory(device_index: int) -> bool:
 def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool) -> PrefillConfig:
     """The prefill tile and launch options for a target: one per head size, whatever the query length."""
     if interp:
-        return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+        return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, bt_ahead=True)
     if hip:
         if head_pad <= 64:
             return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=1, waves_per_eu=2)
@@ -290,8 +315,12 @@ def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
         # group's heads, one 8k prompt / 8 x 1k, us: 256x64 at 16 warps, 3 stages 1387 / 289 (396 TFLOP/s);
         # at 8 warps 1406 / 306 (and 1.3x slower with softcap: 8 warps spill); 128x128/8 1656 / 357; 256x32
         # 1864+; 256x128 (2 stages) 2066. The 256-row tile needs 160 KiB of shared memory: Hopper-class only.
+        # With each key tile's block ids loaded a tile ahead (``bt_ahead``, attention_common._tile_run: the K/V
+        # copies run two tiles ahead; benchmarks/results/prefill_tiles_h200_ahead.md): 1392 -> 1214 us (453 TFLOP/s),
+        # 8 x 1k 289 -> 269, the mixed batch's prefill kernel 677 -> 590; 2 stages with it 1406 (no deeper
+        # pipeline), 4 stages 1217. Other head sizes and tiles are not measured with it, so they keep it off.
         if big_smem:
-            return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=3)
+            return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=3, bt_ahead=True)
         return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)  # block_n 64 spills (sm80/sm90)
 

@@ -89,6 +89,7 @@ def decode_kernel(
     FP8_KV: tl.constexpr,
     UNMASKED: tl.constexpr,
     STREAM: tl.constexpr,
+    BT_AHEAD: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     hslot = tl.program_id(1)  # kv_head * chunks + chunk
@@ -134,7 +135,7 @@ def decode_kernel(
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, seq, hslot,
                     seq_len - q_len, lo + (cur - s) * BLOCK_N, tl.minimum(lo + (end - s) * BLOCK_N, seq_len), 0, 1,
                     h_mask, heads, tok, d, d_mask, q_pos, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, False,
-                    INTERP,
+                    BT_AHEAD, INTERP,
                 )
                 _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, group, num_splits, fused,
                         qmax, tblocks, head_size, stride_ot, stride_oh, seq, stream_seqs, hslot, 0, q_start, q_len,
@@ -148,7 +149,8 @@ def decode_kernel(
                  k_scale_ptr, v_scale_ptr, part_ptr, lock_ptr, sm_scale, softcap, window, causal, has_alibi, has_sinks,
                  group, bs_shift, num_splits, balance, waves, run_floor, fused, qmax, tblocks, tb_inner, head_size,
                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ot,
-                 stride_oh, stride_bt, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, INTERP)
+                 stride_oh, stride_bt, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, BT_AHEAD,
+                 INTERP)
 
 
 @triton.jit
@@ -157,7 +159,8 @@ def _columns(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_pt
              num_splits, balance, waves, run_floor, fused, qmax, tblocks, tb_inner, head_size, stride_qt, stride_qh,
              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
              BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-             FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, INTERP: tl.constexpr):
+             FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, BT_AHEAD: tl.constexpr,
+             INTERP: tl.constexpr):
     """The launch of a column of up to ``num_splits`` programs per (sequence, head slot, token block)."""
     hslot = tl.program_id(1)
     if tb_inner != 0:
@@ -230,7 +233,7 @@ def _columns(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_pt
         q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, sm_scale, softcap,
         window, causal, has_alibi, has_sinks, group, bs_shift, num_splits, stride_qt, stride_qh, stride_kb, stride_kt,
         stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, seq, hslot, ctx + t0, lo, hi, split, parts, h_mask,
-        heads, tok, d, d_mask, q_pos, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, INTERP,
+        heads, tok, d, d_mask, q_pos, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, BT_AHEAD, INTERP,
     )
     _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, group, num_splits, fused, qmax, tblocks,
             head_size, stride_ot, stride_oh, seq, num_seqs, hslot, tb, q_start, q_len, split, parts, 0, split == 0, t,
@@ -293,7 +296,8 @@ def _keys(q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_pt
           stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, seq, hslot, first_pos, lo, hi, run, runs,
           h_mask, heads, tok, d, d_mask, q_pos,
           BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
-          FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, INTERP: tl.constexpr):
+          FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, BT_AHEAD: tl.constexpr,
+          INTERP: tl.constexpr):
     """Run ``run`` of ``runs`` (equal runs of whole tiles) of keys ``[lo, hi)`` for the rows: (acc, max, sum).
     ``first_pos``: the first row's position."""
     q = tl.load(
@@ -332,7 +336,7 @@ def _keys(q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_pt
     acc, m_i, l_i = attn_tiles(
         acc, m_i, l_i, q, lo, lo, full_hi, hi, q_pos, slope, k_head, v_head, bt_row, stride_kb, stride_kt, stride_vb,
         stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False, FEATURES, FP8_KV,
-        INTERP,
+        INTERP, BT_AHEAD,
     )
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr)
@@ -344,10 +348,41 @@ def _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, gr
             tblocks, head_size, stride_ot, stride_oh, seq, num_seqs, hslot, tb, q_start, q_len, split, parts, first,
             is_first, t, h_mask, heads, tok, d, d_mask,
             BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, STREAMED: tl.constexpr):
-    """The output (``num_splits`` 1), or partial slot ``split`` (one of ``parts``, from slot ``first``) of the
-    sequence's workspace rows and the merge if this is the last of them to end. ``STREAMED``: the stream-K
-    launch, whose sequences share one set of rows."""
-    if num_splits == 1:
+    """The output (``num_splits`` 1, or the sequence's only partial: ``parts`` 1), or partial slot ``split`` (one of
+    ``parts``, from slot ``first``) of the sequence's workspace rows and the merge if this is the last of them to
+    end. ``STREAMED``: the stream-K launch, whose sequences share one set of rows."""
+    # part_ptr (with splits): outputs [rows_total = (num_seqs or 1) * qmax * num_heads * num_splits, HEAD_PAD],
+    # then (max, sum) [rows_total, 2], then how many partials each (sequence, token row, head) has and the slot of
+    # its first [2, num_seqs * qmax * num_heads] (for reduce_kernel; 0 partials: the output is written)
+    chunks = tl.cdiv(group, BLOCK_H)
+    num_heads = tl.num_programs(1) // chunks * group
+    pseq = seq
+    pseqs = num_seqs
+    if STREAMED:
+        pseq = seq * 0
+        pseqs = num_seqs * 0 + 1
+    rows_total = pseqs.to(tl.int64) * qmax * num_heads * num_splits
+    part_ml_ptr = part_ptr + rows_total * HEAD_PAD
+    meta_ptr = part_ml_ptr + rows_total * 2
+    prow = seq.to(tl.int64) * qmax + t
+    direct = num_splits == 1
+    if STREAMED:
+        # A sequence that one stream-K program covers whole (short ones; equal lengths of up to a program's share)
+        # gets its output written here, not a partial to write, read back and merge. H200, bf16 32/8 heads d128,
+        # graph replay with max_seq_len 32k (benchmarks/results/decode_ahead_h200.md, run C), us: 132 x 256 keys
+        # 77.5 -> 59.9 (one-column launch 53.3), 128 x 1k 167 -> 150 (143), 100 x 512 90 -> 85 (76); uneven and
+        # long batches unchanged. Not in the one-column launch: its 32-row short tile then spills (sm90: 48 bytes
+        # of stack).
+        direct = parts == 1
+    if direct:
+        if num_splits > 1:  # the merge counts the sink when there are splits, so here this program does
+            if has_sinks != 0:
+                sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E
+                m_new = tl.maximum(m_i, sink)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.exp2(sink - m_new)
+                acc = acc * alpha[:, None]
+            tl.store(meta_ptr + prow * num_heads + heads, (heads * 0).to(tl.float32), mask=h_mask)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
         tl.store(
@@ -356,20 +391,6 @@ def _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, gr
             mask=h_mask[:, None] & d_mask[None, :],
         )
     else:
-        # part_ptr: outputs [rows_total = (num_seqs or 1) * qmax * num_heads * num_splits, HEAD_PAD], then
-        # (max, sum) [rows_total, 2], then how many partials each (sequence, token row, head) has and the slot
-        # of its first [2, num_seqs * qmax * num_heads] (for reduce_kernel)
-        chunks = tl.cdiv(group, BLOCK_H)
-        num_heads = tl.num_programs(1) // chunks * group
-        pseq = seq
-        pseqs = num_seqs
-        if STREAMED:
-            pseq = seq * 0
-            pseqs = num_seqs * 0 + 1
-        rows_total = pseqs.to(tl.int64) * qmax * num_heads * num_splits
-        part_ml_ptr = part_ptr + rows_total * HEAD_PAD
-        meta_ptr = part_ml_ptr + rows_total * 2
-        prow = seq.to(tl.int64) * qmax + t
         prow_part = pseq.to(tl.int64) * qmax + t
         row = (prow_part * num_heads + heads) * num_splits + split
         tl.store(part_ptr + row[:, None] * HEAD_PAD + d[None, :], acc, mask=h_mask[:, None])
@@ -477,6 +498,8 @@ def reduce_kernel(
     meta_ptr = part_ml_ptr + rows_total * 2
     prow = seq.to(tl.int64) * qmax + t
     count = tl.load(meta_ptr + prow * num_heads + head).to(tl.int32)
+    if count == 0:
+        return  # the decode kernel wrote this row's output (its only partial)
     first = count * 0
     if stream != 0:
         first = tl.load(meta_ptr + tl.num_programs(0).to(tl.int64) * qmax * num_heads + prow * num_heads

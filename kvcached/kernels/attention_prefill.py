@@ -74,6 +74,7 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
+    BT_AHEAD: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -158,7 +159,7 @@ def prefill_kernel(
     acc, m_i, l_i = attn_tiles(
         acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_head, v_head, bt_row, stride_kb, stride_kt,
         stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, FEATURES,
-        FP8_KV, INTERP,
+        FP8_KV, INTERP, BT_AHEAD,
     )
 
     if FP8_KV:

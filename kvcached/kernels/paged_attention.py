@@ -288,7 +288,7 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     const = {"BLOCK_H": block_h, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
              "FEATURES": decode_features, "FP8_KV": fp8,
              "UNMASKED": block_h == SHORT_ROWS[-1] and not decode_features and not hip, "STREAM": stream,
-             "INTERP": interp}
+             "BT_AHEAD": cfg.decode_bt_ahead(block_h, hip, big_smem, interp), "INTERP": interp}
     short = f"-short{block_h}" if block_h > BLOCK_H else ("-stream" if stream else "")
     warps = cfg.decode_warps(block_h, head_pad, itemsize, hip, interp, hopper=big_smem)
     out.append(CompileVariant(f"attn_decode{short}[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
@@ -300,7 +300,7 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     if max_query_len > short_max(causal):
         pc = cfg.prefill_tile(head_pad, itemsize, hip, big_smem, interp)
         const = {"HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_M": pc.block_m, "BLOCK_N": pc.block_n,
-                 "FEATURES": features, "FP8_KV": fp8, "INTERP": interp}
+                 "FEATURES": features, "FP8_KV": fp8, "BT_AHEAD": pc.bt_ahead, "INTERP": interp}
         out.append(CompileVariant(f"attn_prefill[{qt}-{kt}-{tile}{feat}]", prefill_kernel,
                                   _signature(prefill_kernel, qt, kt), const,
                                   cfg.launch_options(pc.num_warps, pc.num_stages, pc.waves_per_eu, hip, interp)))
