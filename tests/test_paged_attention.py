@@ -250,6 +250,21 @@ def test_short_queries_features(feature, splits):
     run_case(q_lens=SHORT_Q, seq_lens=SHORT_S, splits=splits, seed=22, **_features(feature))
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 1), (32, 1), (36, 1)])
+@pytest.mark.parametrize("feature", ["none", "sinks"])
+@pytest.mark.parametrize("rows", [0, 1])
+def test_reduce_launch_merges_a_programs_rows(num_heads, num_kv_heads, feature, rows):
+    # The merge's own launch (as under CUDA graphs), a row at a time or a decode program's rows together: the
+    # 32-row tile (16 tokens x group 2), the 64-row tile with two token blocks (group 8) and with 2 tokens of 32
+    # heads a program (group 32, eight token blocks), and 36 heads of one token (group 36), beside 1- to 9-token
+    # queries; then single tokens through the stream-K launch (some sequences written by their one program)
+    with cfg.override(decode_fused_reduce=0, merge_rows=rows):
+        run_case(num_heads=num_heads, num_kv_heads=num_kv_heads, q_lens=SHORT_Q, seq_lens=SHORT_S, splits=3,
+                 seed=43, **_features(feature, num_heads))
+        run_case(num_heads=num_heads, num_kv_heads=num_kv_heads, q_lens=[1, 1, 1, 1], seq_lens=[700, 30, 5, 90],
+                 splits=None, seed=44, **_features(feature, num_heads))
+
+
 @pytest.mark.parametrize("fused", [0, 1])
 def test_short_queries_beside_a_prefill(fused):
     # a prefill in the batch keeps the 16-row tile: the short queries take a program per few tokens

@@ -194,7 +194,7 @@ def test_compile_variants_per_target(target):
     assert ("*fp8e4nv" in ptr_types) == (target in ("sm90", "gfx950"))
     assert ("*fp8e4b8" in ptr_types) == (target == "gfx942")
     kernels = {v.fn.__name__ for v in variants}
-    assert kernels == {"decode_kernel", "reduce_kernel", "prefill_kernel"}
+    assert kernels == {"decode_kernel", "reduce_kernel", "reduce_rows_kernel", "prefill_kernel"}
     for v in variants:
         assert v.constexprs.get("INTERP", False) is False
         assert not set(v.signature) & set(v.constexprs)
@@ -203,10 +203,10 @@ def test_compile_variants_per_target(target):
     tiles = {(v.constexprs["HEAD_PAD"], v.constexprs["PAD_D"]) for v in variants if "PAD_D" in v.constexprs}
     assert tiles == {(32, False), (64, False), (128, False), (128, True), (256, False)}
     # block size, group, split count and feature values are run-time arguments: a small, fixed list
-    # (dtype pairs x 5 tiles x (decode rows 16, 16 stream-K, 32 and 64, prefill) x FEATURES, plus the reduce per
-    # query dtype x 4 tiles)
+    # (dtype pairs x 5 tiles x (decode rows 16, 16 stream-K, 32 and 64, prefill) x FEATURES, plus the reduces per
+    # query dtype x 4 tiles: a row at a time, and a decode program's 16, 32 or 64 rows at a time)
     pairs = 4 if target in ("sm90", "gfx942", "gfx950") else 2
-    assert len(variants) == pairs * 5 * 5 * 2 + 2 * 4
+    assert len(variants) == pairs * 5 * 5 * 2 + 2 * 4 * 4
     assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel" and v.constexprs["STREAM"]} \
         == {16}
     assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == {16, 32, 64}
@@ -238,16 +238,19 @@ def test_every_dispatcher_choice_is_compiled(target):
                     for group in (1, 7, 33):
                         for feats in _feature_sets():
                             for max_query_len in (1, 4, 16, 300):
-                                for num_splits, fused, stream in ((1, False, False), (37, False, False),
-                                                                  (128, True, False), (37, False, True),
-                                                                  (128, True, True)):
+                                for num_splits, fused, stream, rows in (
+                                        (1, False, False, False), (37, False, False, False), (37, False, False, True),
+                                        (128, True, False, True), (37, False, True, False), (37, False, True, True),
+                                        (128, True, True, False)):
                                     plan = select(qdt, kdt, head, block, group, max_query_len=max_query_len,
                                                   num_splits=num_splits, fused=fused, hip=hip, big_smem=big_smem,
-                                                  interp=False, stream=stream, **feats)
+                                                  interp=False, stream=stream, merge_rows=rows, **feats)
                                     calls += 1
                                     kinds = [v.fn.__name__ for v in plan]
                                     assert kinds[0] == "decode_kernel"
-                                    assert ("reduce_kernel" in kinds) == (num_splits > 1 and not fused)
+                                    merge = "reduce_rows_kernel" if rows else "reduce_kernel"
+                                    assert (merge in kinds) == (num_splits > 1 and not fused)
+                                    assert len(kinds) == len(set(kinds))  # one merge at most
                                     # causal queries up to SHORT_MAX tokens go through the decode kernel
                                     short = SHORT_MAX if feats["causal"] else 1
                                     assert ("prefill_kernel" in kinds) == (max_query_len > short)

@@ -79,6 +79,7 @@ KNOBS = (
     "stream",
     "decode_bt_ahead",
     "prefill_bt_ahead",
+    "merge_rows",
 )
 
 
@@ -131,6 +132,24 @@ def decode_bt_ahead(rows: int, hip: bool, big_smem: bool, interp: bool) -> bool:
     if knob is not None:
         return bool(knob)
     return interp or (big_smem and not hip and rows >= 64)
+
+
+def merge_rows(partials: float, rows: int) -> bool:
+    """Merge split partials (the graph path's second launch) a decode program's rows at a time
+    (``reduce_rows_kernel``) rather than a row at a time (``reduce_kernel``)? ``partials``: about how many each row
+    has; ``rows``: the (token, head) rows a decode program holds.
+
+    H200, bf16 32/8 heads d128, graph replay (benchmarks/results/decode_ahead_h200.md, run D), us, rows against a
+    row at a time: 64 x 8k (2 partials a row, 4 rows) 523 -> 516, x q4 (16 rows) 562 -> 524, 8 x 8k x q4 (9
+    partials, 16 rows) 90.4 -> 88.2, 8 x 8k x q16 (4 partials, 64 rows) 109 -> 91.6; but 8 x 8k (9 partials, 4
+    rows) 86.2 -> 87.4, 4 x 32k (18) 146 -> 150, 1 x 8k (67) 26.4 -> 40.9, 1 x 32k x q16 (128 splits) 59.6 ->
+    82.1: its partials go ``CH`` (8 at 16 x 128) an iteration, a row at a time 64 a load.
+    ``override(merge_rows=)`` forces one.
+    """
+    knob = _OVERRIDES.get("merge_rows")
+    if knob is not None:
+        return bool(knob)
+    return partials <= 8 or (rows >= 16 and partials <= 32)
 
 
 def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: bool, hopper: bool = False) -> int:

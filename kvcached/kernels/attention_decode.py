@@ -377,11 +377,7 @@ def _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, gr
     if direct:
         if num_splits > 1:  # the merge counts the sink when there are splits, so here this program does
             if has_sinks != 0:
-                sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E
-                m_new = tl.maximum(m_i, sink)
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.exp2(sink - m_new)
-                acc = acc * alpha[:, None]
+                acc, l_i = _with_sinks(acc, m_i, l_i, sinks_ptr, heads, h_mask)
             tl.store(meta_ptr + prow * num_heads + heads, (heads * 0).to(tl.float32), mask=h_mask)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -422,6 +418,15 @@ def _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, gr
                                  ((pseq.to(tl.int64) * qmax + ti) * num_heads + head) * num_splits + first, head,
                                  parts, has_sinks, head_size, stride_ot, stride_oh, HEAD_PAD, 4096)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _with_sinks(acc, m_run, l_run, sinks_ptr, heads, h_mask):
+    """Rows' (acc, sum) with each row's sink logit folded into its softmax (running max ``m_run``, log2 domain)."""
+    sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * LOG2E
+    m_new = tl.maximum(m_run, sink)
+    alpha = tl.exp2(m_run - m_new)
+    return acc * alpha[:, None], l_run * alpha + tl.exp2(sink - m_new)
 
 
 @triton.jit
@@ -510,7 +515,92 @@ def reduce_kernel(
                  head_size, stride_ot, stride_oh, HEAD_PAD, 8192)
 
 
+@triton.jit(do_not_specialize=["group", "num_splits", "has_sinks", "stream", "qmax"])
+def reduce_rows_kernel(
+    out_ptr,
+    qsl_ptr,
+    sinks_ptr,
+    part_ptr,
+    group,
+    num_splits,
+    has_sinks,
+    stream,
+    qmax,
+    head_size,
+    stride_ot,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
+    """The split merge as a second launch (CUDA graphs), for batches whose rows have few partials each: one
+    program a decode program's rows (grid: sequences, head slots, token blocks, as the decode grid's), so the
+    ``BLOCK_H`` (token, head) rows that share a KV head merge together, ``CH`` partials an iteration.
+    :func:`reduce_kernel` takes a row a program and up to 64 partials a load: the one for many partials a row.
+    H200, bf16 32/8 heads d128, graph replay (benchmarks/results/decode_ahead_h200.md, run D), us, this against
+    reduce_kernel: 64 x 8k 523 -> 516, 64 x 8k x q4 562 -> 524, q2 537 -> 520, 8 x 8k x q16 109 -> 91.6, 132 x 256
+    keys 60.2 -> 58.0; but 1 x 8k (66 partials a row) 26.4 -> 40.9, 4 x 32k 146 -> 150, 8 x 8k 86.2 -> 87.4
+    (attention_config.merge_rows draws the line).
+    """
+    seq = tl.program_id(0)
+    hslot = tl.program_id(1)
+    tb = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    hc = tl.minimum(group, BLOCK_H)  # heads of the group in one program
+    per = BLOCK_H // hc  # query tokens in one program
+    if (q_len < 1) | (q_len > qmax) | (tb * per >= q_len):
+        return  # a query the decode kernel did not take, or a token block past it
+    t, h_mask, heads, tok, d, d_mask, _ = _rows(q_start, q_len, q_len, hslot, tb, group, head_size, BLOCK_H, HEAD_PAD,
+                                                True)
+    num_heads = tl.num_programs(1) // tl.cdiv(group, BLOCK_H) * group
+    pseq = seq
+    pseqs = tl.num_programs(0)
+    if stream != 0:  # the stream-K launch's partials: one row of slots for all sequences
+        pseq = seq * 0
+        pseqs = pseqs * 0 + 1
+    rows_total = pseqs.to(tl.int64) * qmax * num_heads * num_splits
+    part_ml_ptr = part_ptr + rows_total * HEAD_PAD
+    meta_ptr = part_ml_ptr + rows_total * 2
+    prow = (seq.to(tl.int64) * qmax + t) * num_heads + heads
+    # the rows of one decode program have the same partials (count 0: it wrote the output itself)
+    count = tl.max(tl.load(meta_ptr + prow, mask=h_mask, other=0.0), 0).to(tl.int32)
+    if count == 0:
+        return
+    base = ((pseq.to(tl.int64) * qmax + t) * num_heads + heads) * num_splits  # each row's first partial
+    if stream != 0:
+        first_ptr = meta_ptr + tl.num_programs(0).to(tl.int64) * qmax * num_heads
+        base += tl.max(tl.load(first_ptr + prow, mask=h_mask, other=0.0), 0).to(tl.int64)
+    # CH partials an iteration, loaded before any is merged (at most 64 fp32 values a thread at 8 warps); one
+    # [CH, rows, HEAD_PAD] load instead took sm90 253 registers and 64 KiB of shared memory at 16 x 128
+    CH: tl.constexpr = max(1, min(8, 16384 // (BLOCK_H * HEAD_PAD)))
+    m_run = tl.zeros([BLOCK_H], dtype=tl.float32) + NEG_BIG
+    l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_PAD], dtype=tl.float32)
+    for c0 in range(0, count, CH):
+        for k in tl.static_range(CH):
+            ok = h_mask & (t * 0 + c0 + k < count)  # a vector compare: the interpreter refuses a scalar one here
+            idx = base + c0 + k
+            mc = tl.load(part_ml_ptr + idx * 2, mask=ok, other=NEG_BIG)
+            lc = tl.load(part_ml_ptr + idx * 2 + 1, mask=ok, other=0.0)
+            pc = tl.load(part_ptr + idx[:, None] * HEAD_PAD + d[None, :], mask=ok[:, None], other=0.0)
+            m_new = tl.maximum(m_run, mc)
+            alpha = tl.exp2(m_run - m_new)
+            w = tl.exp2(mc - m_new)
+            l_run = l_run * alpha + lc * w
+            acc = acc * alpha[:, None] + pc * w[:, None]
+            m_run = m_new
+    if has_sinks != 0:
+        acc, l_run = _with_sinks(acc, m_run, l_run, sinks_ptr, heads, h_mask)
+    l_run = tl.where(l_run == 0.0, 1.0, l_run)
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+
+
 # ints Triton specialises as multiples of 16 at run time (every supported head size is one);
 # the ahead-of-time check marks them the same way
 decode_kernel.divisible_by_16 = ("head_size",)
 reduce_kernel.divisible_by_16 = ("head_size",)
+reduce_rows_kernel.divisible_by_16 = ("head_size",)

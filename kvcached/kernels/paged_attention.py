@@ -19,7 +19,7 @@ import torch
 
 from kvcached.kernels import attention_config as cfg
 from kvcached.kernels import checks
-from kvcached.kernels.attention_decode import decode_kernel, reduce_kernel
+from kvcached.kernels.attention_decode import decode_kernel, reduce_kernel, reduce_rows_kernel
 from kvcached.kernels.attention_prefill import prefill_kernel
 from kvcached.kernels.platform import (
     FP8_DTYPES,
@@ -234,12 +234,14 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
 
 def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_size: int, group: int, *,
            causal: bool, window: int, softcap: float, alibi: bool, sinks: bool, max_query_len: int, num_splits: int,
-           fused: bool, hip: bool, big_smem: bool, interp: bool, stream: bool = False) -> tuple:
+           fused: bool, hip: bool, big_smem: bool, interp: bool, stream: bool = False,
+           merge_rows: bool = False) -> tuple:
     """The dispatcher: the kernels (with constexprs and options) one call launches, in order.
 
     Everything the dispatcher sees goes in; a tuple of ``CompileVariant`` comes out (decode,
     then the split reduce when ``num_splits > 1`` and not ``fused``, then prefill when
-    ``max_query_len > 1``); ``stream``: the decode kernel's stream-K launch (its own compile).
+    ``max_query_len > 1``); ``stream``: the decode kernel's stream-K launch (its own compile); ``merge_rows``:
+    the split reduce a decode program's rows at a time (``reduce_rows_kernel``), not a row at a time.
     Block size, group size, split count, feature values and the head
     size within its power-of-two tile are run-time kernel arguments: only the dtypes, the
     tile (32, 64, 128, masked 128 for 80/96, 256) and "any feature" pick a compile.
@@ -247,7 +249,7 @@ def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_si
     """
     # cached per inputs and override knobs: one dict lookup per call (host time matters at batch 1)
     return _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
-                   max_query_len, num_splits, fused, hip, big_smem, interp, stream, cfg.overrides_key())
+                   max_query_len, num_splits, fused, hip, big_smem, interp, stream, merge_rows, cfg.overrides_key())
 
 
 def short_max(causal: bool) -> int:
@@ -271,7 +273,7 @@ def decode_rows(group: int, max_query_len: int, causal: bool) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks, max_query_len,
-            num_splits, fused, hip, big_smem, interp, stream, overrides) -> tuple:
+            num_splits, fused, hip, big_smem, interp, stream, merge_rows, overrides) -> tuple:
     qt, kt = _TRITON_DTYPE[q_dtype], _TRITON_DTYPE[kv_dtype]
     head_pad = next_pow2(head_size)
     fp8 = kv_dtype != q_dtype
@@ -294,7 +296,11 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     out.append(CompileVariant(f"attn_decode{short}[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
                               decode_kernel, _signature(decode_kernel, qt, kt), const,
                               cfg.launch_options(warps, dc.num_stages, dc.waves_per_eu, hip, interp, dc.maxnreg)))
-    if num_splits > 1 and not fused:
+    if num_splits > 1 and not fused and merge_rows:
+        out.append(CompileVariant(f"attn_reduce_rows{block_h}[{qt}-d{head_pad}]", reduce_rows_kernel,
+                                  _signature(reduce_rows_kernel, qt, kt), {"BLOCK_H": block_h, "HEAD_PAD": head_pad},
+                                  {"num_warps": 8, "num_stages": 1}))
+    elif num_splits > 1 and not fused:
         out.append(CompileVariant(f"attn_reduce[{qt}-d{head_pad}]", reduce_kernel, _signature(reduce_kernel, qt, kt),
                                   {"HEAD_PAD": head_pad}, {"num_warps": 4, "num_stages": 1}))
     if max_query_len > short_max(causal):
@@ -350,10 +356,14 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     num_splits = dc.num_splits
     balance = max(1, dc.balance // busy) if dc.balance else 0
     fused = num_splits > 1 and cfg.fused_reduce(dev)
+    # partials a row has, about: a stream-K program's share is (sequences + programs) / sequences runs
+    partials = (num_seqs + dc.stream) / num_seqs if dc.stream else num_splits
+    real_rows = min(group, block_h) * min(block_h // min(group, block_h), qmax)
     plan = select(query.dtype, k_cache.dtype, head_size, block_size, group, causal=causal, window=sliding_window,
                   softcap=softcap, alibi=alibi_slopes is not None, sinks=sinks is not None,
                   max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
-                  big_smem=cfg.large_shared_memory(dev_index), interp=interp, stream=dc.stream > 0)
+                  big_smem=cfg.large_shared_memory(dev_index), interp=interp, stream=dc.stream > 0,
+                  merge_rows=cfg.merge_rows(partials, real_rows))
     # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
     # all return at once, and none of its host time
     decodes = min_query_len <= short_max(causal)
@@ -385,6 +395,11 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
                 num_splits, balance, dc.waves, dc.run_floor, int(fused), qmax, tblocks, int(tb_inner),
                 num_seqs if dc.stream else 0, dc.min_tiles, head_size,
                 *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
+            )
+        elif v.fn is reduce_rows_kernel:
+            reduce_rows_kernel[(num_seqs, num_kv_heads * chunks, tblocks)](
+                out, query_start_loc, sink_t, part, group, num_splits, has_sinks, int(dc.stream > 0), qmax, head_size,
+                *o_strides, **v.constexprs, **v.options,
             )
         elif v.fn is reduce_kernel:
             reduce_kernel[(num_seqs, num_heads, qmax)](
@@ -563,10 +578,12 @@ def compile_variants(target: str) -> list[CompileVariant]:
                         # tiles), 17 (with a prefill); the stream-K launch takes the 16-row tile only
                         for qlen, stream in ((2, False), (2, True), (8, False), (SHORT_MAX, False),
                                              (SHORT_MAX + 1, False)):
-                            for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0,
-                                            alibi=any_feature, sinks=False, max_query_len=qlen, num_splits=2,
-                                            fused=fused, hip=hip, big_smem=big_smem, interp=False, stream=stream):
-                                seen.setdefault(variant_key(v), v)
+                            for rows in (False, True):  # the split merge a row or a program's rows at a time
+                                for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0,
+                                                alibi=any_feature, sinks=False, max_query_len=qlen, num_splits=2,
+                                                fused=fused, hip=hip, big_smem=big_smem, interp=False, stream=stream,
+                                                merge_rows=rows):
+                                    seen.setdefault(variant_key(v), v)
     return list(seen.values())
 
 
