@@ -140,8 +140,8 @@ def test_prefill_hopper_tiles(feature):
 
 
 @pytest.mark.parametrize("ahead", [0, 1])
-@pytest.mark.parametrize("feature", ["none", "window", "all"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("feature", "layout"),
+                         [("none", "contiguous"), ("window", "per_layer"), ("all", "contiguous")])
 def test_block_ids_a_tile_ahead_or_not(ahead, feature, layout):
     # Both key loops of attention_common._tile_run (the interpreter's default loads block ids a tile ahead): the
     # window's masked lead, the unmasked middle and the masked tail of the prefill, one-column decodes with
@@ -250,8 +250,8 @@ def test_short_queries_features(feature, splits):
     run_case(q_lens=SHORT_Q, seq_lens=SHORT_S, splits=splits, seed=22, **_features(feature))
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 1), (32, 1), (36, 1)])
-@pytest.mark.parametrize("feature", ["none", "sinks"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "feature"), [(4, 2, "sinks"), (8, 1, "none"), (32, 1, "sinks"),
+                                                                     (36, 1, "none")])
 @pytest.mark.parametrize("rows", [0, 1])
 def test_reduce_launch_merges_a_programs_rows(num_heads, num_kv_heads, feature, rows):
     # The merge's own launch (as under CUDA graphs), a row at a time or a decode program's rows together: the
