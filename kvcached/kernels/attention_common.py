@@ -162,11 +162,11 @@ def _tile_run(
     if BT_AHEAD:
         ar = tl.arange(0, BLOCK_N)
         nxt = run_lo + ar
-        blk_n = tl.load(bt_row_ptr + (nxt >> bs_shift), mask=(nxt < run_hi) & (nxt < hi), other=0)
+        blk_n = tl.load(bt_row_ptr + (nxt >> bs_shift), mask=nxt < run_hi, other=0)  # run_hi <= hi
         for start in range(run_lo, run_hi, BLOCK_N):
             blk = blk_n
             nxt = start + BLOCK_N + ar
-            blk_n = tl.load(bt_row_ptr + (nxt >> bs_shift), mask=(nxt < run_hi) & (nxt < hi), other=0)
+            blk_n = tl.load(bt_row_ptr + (nxt >> bs_shift), mask=nxt < run_hi, other=0)
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
                 stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, MASK, True,

@@ -344,6 +344,24 @@ def _keys(q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_pt
 
 
 @triton.jit
+def _workspace(part_ptr, seq, num_seqs, stream, qmax, num_heads, num_splits, HEAD_PAD: tl.constexpr):
+    """The split workspace (paged_attention._launch sizes it): partial outputs [rows, HEAD_PAD], then (max, sum)
+    [rows, 2], then how many partials each (sequence, token row, head) has and the slot of its first [2, num_seqs *
+    qmax * num_heads] (0 partials: the decode kernel wrote the output), where rows = (num_seqs, or 1 for the
+    stream-K launch, whose sequences share one set of slots) x qmax x num_heads x num_splits.
+    Returns (the (max, sum) pointer, the count pointer, the first-slot pointer, the sequence's slot set)."""
+    pseq = seq
+    pseqs = num_seqs
+    if stream != 0:
+        pseq = seq * 0
+        pseqs = num_seqs * 0 + 1
+    rows_total = pseqs.to(tl.int64) * qmax * num_heads * num_splits
+    ml_ptr = part_ptr + rows_total * HEAD_PAD
+    count_ptr = ml_ptr + rows_total * 2
+    return ml_ptr, count_ptr, count_ptr + num_seqs.to(tl.int64) * qmax * num_heads, pseq
+
+
+@triton.jit
 def _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, group, num_splits, fused, qmax,
             tblocks, head_size, stride_ot, stride_oh, seq, num_seqs, hslot, tb, q_start, q_len, split, parts, first,
             is_first, t, h_mask, heads, tok, d, d_mask,
@@ -351,19 +369,10 @@ def _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, gr
     """The output (``num_splits`` 1, or the sequence's only partial: ``parts`` 1), or partial slot ``split`` (one of
     ``parts``, from slot ``first``) of the sequence's workspace rows and the merge if this is the last of them to
     end. ``STREAMED``: the stream-K launch, whose sequences share one set of rows."""
-    # part_ptr (with splits): outputs [rows_total = (num_seqs or 1) * qmax * num_heads * num_splits, HEAD_PAD],
-    # then (max, sum) [rows_total, 2], then how many partials each (sequence, token row, head) has and the slot of
-    # its first [2, num_seqs * qmax * num_heads] (for reduce_kernel; 0 partials: the output is written)
     chunks = tl.cdiv(group, BLOCK_H)
     num_heads = tl.num_programs(1) // chunks * group
-    pseq = seq
-    pseqs = num_seqs
-    if STREAMED:
-        pseq = seq * 0
-        pseqs = num_seqs * 0 + 1
-    rows_total = pseqs.to(tl.int64) * qmax * num_heads * num_splits
-    part_ml_ptr = part_ptr + rows_total * HEAD_PAD
-    meta_ptr = part_ml_ptr + rows_total * 2
+    part_ml_ptr, meta_ptr, first_ptr, pseq = _workspace(part_ptr, seq, num_seqs, STREAMED, qmax, num_heads,
+                                                        num_splits, HEAD_PAD)
     prow = seq.to(tl.int64) * qmax + t
     direct = num_splits == 1
     if STREAMED:
@@ -395,7 +404,6 @@ def _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, gr
         if is_first:
             tl.store(meta_ptr + prow * num_heads + heads, (heads * 0 + parts).to(tl.float32), mask=h_mask)
             if STREAMED:  # a column's first partial is at slot 0
-                first_ptr = meta_ptr + num_seqs.to(tl.int64) * qmax * num_heads
                 tl.store(first_ptr + prow * num_heads + heads, (heads * 0 + first).to(tl.float32), mask=h_mask)
         if fused != 0:
             # The last program of this (sequence, KV head, chunk) to finish merges every split: one
@@ -493,22 +501,15 @@ def reduce_kernel(
     if (q_len < 1) | (q_len > qmax) | (t >= q_len):
         return
     num_heads = tl.num_programs(1)
-    num_seqs = tl.num_programs(0)
-    pseq = seq
-    if stream != 0:  # the stream-K launch's partials: one row of slots for all sequences
-        num_seqs = num_seqs * 0 + 1
-        pseq = seq * 0
-    rows_total = num_seqs.to(tl.int64) * qmax * num_heads * num_splits
-    part_ml_ptr = part_ptr + rows_total * HEAD_PAD
-    meta_ptr = part_ml_ptr + rows_total * 2
+    part_ml_ptr, meta_ptr, first_ptr, pseq = _workspace(part_ptr, seq, tl.num_programs(0), stream, qmax, num_heads,
+                                                        num_splits, HEAD_PAD)
     prow = seq.to(tl.int64) * qmax + t
     count = tl.load(meta_ptr + prow * num_heads + head).to(tl.int32)
     if count == 0:
         return  # the decode kernel wrote this row's output (its only partial)
     first = count * 0
     if stream != 0:
-        first = tl.load(meta_ptr + tl.num_programs(0).to(tl.int64) * qmax * num_heads + prow * num_heads
-                        + head).to(tl.int32)
+        first = tl.load(first_ptr + prow * num_heads + head).to(tl.int32)
     # 8k values a load: a batch-1 decode's 40-64 splits merge in one step (its latency is the reduce's time)
     merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + t,
                  ((pseq.to(tl.int64) * qmax + t) * num_heads + head) * num_splits + first, head, count, has_sinks,
@@ -553,14 +554,8 @@ def reduce_rows_kernel(
     t, h_mask, heads, tok, d, d_mask, _ = _rows(q_start, q_len, q_len, hslot, tb, group, head_size, BLOCK_H, HEAD_PAD,
                                                 True)
     num_heads = tl.num_programs(1) // tl.cdiv(group, BLOCK_H) * group
-    pseq = seq
-    pseqs = tl.num_programs(0)
-    if stream != 0:  # the stream-K launch's partials: one row of slots for all sequences
-        pseq = seq * 0
-        pseqs = pseqs * 0 + 1
-    rows_total = pseqs.to(tl.int64) * qmax * num_heads * num_splits
-    part_ml_ptr = part_ptr + rows_total * HEAD_PAD
-    meta_ptr = part_ml_ptr + rows_total * 2
+    part_ml_ptr, meta_ptr, first_ptr, pseq = _workspace(part_ptr, seq, tl.num_programs(0), stream, qmax, num_heads,
+                                                        num_splits, HEAD_PAD)
     prow = (seq.to(tl.int64) * qmax + t) * num_heads + heads
     # the rows of one decode program have the same partials (count 0: it wrote the output itself)
     count = tl.max(tl.load(meta_ptr + prow, mask=h_mask, other=0.0), 0).to(tl.int32)
@@ -568,7 +563,6 @@ def reduce_rows_kernel(
         return
     base = ((pseq.to(tl.int64) * qmax + t) * num_heads + heads) * num_splits  # each row's first partial
     if stream != 0:
-        first_ptr = meta_ptr + tl.num_programs(0).to(tl.int64) * qmax * num_heads
         base += tl.max(tl.load(first_ptr + prow, mask=h_mask, other=0.0), 0).to(tl.int64)
     # CH partials an iteration, loaded before any is merged (at most 64 fp32 values a thread at 8 warps); one
     # [CH, rows, HEAD_PAD] load instead took sm90 253 registers and 64 KiB of shared memory at 16 x 128

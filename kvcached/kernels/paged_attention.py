@@ -356,14 +356,16 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     num_splits = dc.num_splits
     balance = max(1, dc.balance // busy) if dc.balance else 0
     fused = num_splits > 1 and cfg.fused_reduce(dev)
-    # partials a row has, about: a stream-K program's share is (sequences + programs) / sequences runs
-    partials = (num_seqs + dc.stream) / num_seqs if dc.stream else num_splits
-    real_rows = min(group, block_h) * min(block_h // min(group, block_h), qmax)
+    merge_rows = False
+    if num_splits > 1 and not fused:  # a second launch merges the partials (CUDA graphs): which one
+        # partials a row has, about: a stream-K program's share is (sequences + programs) / sequences runs
+        partials = (num_seqs + dc.stream) / num_seqs if dc.stream else num_splits
+        merge_rows = cfg.merge_rows(partials, min(group, block_h) * min(block_h // min(group, block_h), qmax))
     plan = select(query.dtype, k_cache.dtype, head_size, block_size, group, causal=causal, window=sliding_window,
                   softcap=softcap, alibi=alibi_slopes is not None, sinks=sinks is not None,
                   max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
                   big_smem=cfg.large_shared_memory(dev_index), interp=interp, stream=dc.stream > 0,
-                  merge_rows=cfg.merge_rows(partials, real_rows))
+                  merge_rows=merge_rows)
     # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
     # all return at once, and none of its host time
     decodes = min_query_len <= short_max(causal)
