@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import zlib
@@ -29,6 +30,7 @@ ap.add_argument("--root", default=".", help="the kvcached checkout to import (fo
 ap.add_argument("--tag", default="head", help="label of this run (file name: prefill_tiles_<gpu>_<tag>.md)")
 ap.add_argument("--tiles", default="256x64x16x3,256x64x8x3,128x128x8x3,256x64x16x2,256x32x16x3,128x64x4x4",
                 help="BLOCK_MxBLOCK_NxWARPSxSTAGES[xAHEAD] override sets, after the defaults ('' for none)")
+ap.add_argument("--sweep", default="[]", help='JSON list of other override knob sets, e.g. [{"prefill_bt_ahead": 0}]')
 ap.add_argument("--profile", action="store_true", help="per-kernel times of the mixed batch (torch.profiler)")
 ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
 ARGS = ap.parse_args()
@@ -117,12 +119,12 @@ def main() -> None:
     tab = Table(f"Prefill tiles ({ARGS.tag}: {os.path.relpath(os.path.dirname(kvcached.__file__))})",
                 ["case", "tile (rows x keys, warps, stages)", "us (median)", "min..max", "TFLOP/s", "max err",
                  "kernels (profiler)"])
-    runs = [(None, c) for c in CASES] + [(t, c) for t in tiles for c in CASES if c[0] in TILED]
-    for tile, (name, ql, sl, extra) in runs:
-        names = ("prefill_block_m", "prefill_block_n", "prefill_num_warps", "prefill_num_stages", "prefill_bt_ahead")
-        knobs = {} if tile is None else dict(zip(names[:len(tile)], tile, strict=True))
-        label = "default" if tile is None else "{}x{}, {}, {}".format(*tile) + (
-            f", ids ahead {tile[4]}" if len(tile) > 4 else "")
+    names = ("prefill_block_m", "prefill_block_n", "prefill_num_warps", "prefill_num_stages", "prefill_bt_ahead")
+    sets = [(dict(zip(names[:len(t)], t, strict=True)),
+             "{}x{}, {}, {}".format(*t) + (f", ids ahead {t[4]}" if len(t) > 4 else "")) for t in tiles]
+    sets += [(k, json.dumps(k)) for k in json.loads(ARGS.sweep)]
+    runs = [(({}, "default"), c) for c in CASES] + [(s, c) for s in sets for c in CASES if c[0] in TILED]
+    for (knobs, label), (name, ql, sl, extra) in runs:
         try:
             t, lo, hi, tflops, err, prof = run(name, ql, sl, extra, knobs)
             torch.cuda.empty_cache()  # the case's cache went with run()

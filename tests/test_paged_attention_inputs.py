@@ -13,6 +13,7 @@ from kvcached.kernels.paged_attention import (
     SHORT_MAX,
     _target_info,
     compile_variants,
+    decode_rows,
     paged_attention,
     select,
     target_fp8,
@@ -204,12 +205,28 @@ def test_compile_variants_per_target(target):
     assert tiles == {(32, False), (64, False), (128, False), (128, True), (256, False)}
     # block size, group, split count and feature values are run-time arguments: a small, fixed list
     # (dtype pairs x 5 tiles x (decode rows 16, 16 stream-K, 32 and 64, prefill) x FEATURES, plus the reduces per
-    # query dtype x 4 tiles: a row at a time, and a decode program's 16, 32 or 64 rows at a time)
+    # query dtype x 4 tiles: a row at a time, and a decode program's 16, 32 or 64 rows at a time). Hopper-class
+    # targets have no 32-row tile: their short queries take the 64-row one (paged_attention.decode_rows).
+    hip, big_smem = _target_info(target)
+    rows = {16, 64} if big_smem and not hip else {16, 32, 64}
     pairs = 4 if target in ("sm90", "gfx942", "gfx950") else 2
-    assert len(variants) == pairs * 5 * 5 * 2 + 2 * 4 * 4
+    assert len(variants) == pairs * 5 * (len(rows) + 2) * 2 + 2 * 4 * (len(rows) + 1)
     assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel" and v.constexprs["STREAM"]} \
         == {16}
-    assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == {16, 32, 64}
+    assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == rows
+
+
+def test_short_query_rows_per_target():
+    # 8 tokens x group 4 = 32 rows: the 32-row tile, or the 64-row one where that one loads its block ids a tile
+    # ahead (Hopper-class NVIDIA; not AMD, whatever its shared memory)
+    assert decode_rows(4, 8, True) == 32
+    assert decode_rows(4, 8, True, hip=True, big_smem=True) == 32
+    assert decode_rows(4, 8, True, hip=False, big_smem=True) == 64
+    assert decode_rows(4, 16, True, hip=False, big_smem=True) == 64
+    assert decode_rows(4, 4, True, hip=False, big_smem=True) == 16  # the decode tile holds 4 tokens x 4 heads
+    assert decode_rows(4, 17, True, hip=False, big_smem=True) == 16  # a prefill in the batch keeps the decode tile
+    with cfg.override(short_rows=32):
+        assert decode_rows(4, 8, True, hip=False, big_smem=True) == 32
 
 
 def _feature_sets():

@@ -80,6 +80,7 @@ KNOBS = (
     "decode_bt_ahead",
     "prefill_bt_ahead",
     "merge_rows",
+    "concurrent_prefill",
 )
 
 
@@ -353,6 +354,20 @@ def prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int, device_i
 
 def _prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int, device_index: int) -> PrefillConfig:
     return prefill_tile(head_pad, kv_itemsize, is_hip(), large_shared_memory(device_index), interpreting())
+
+
+def concurrent_prefill(hip: bool) -> bool:
+    """Run a mixed batch's prefill launch on a stream of its own beside the decode launch?
+
+    The decodes move bytes, the prefill runs matrix products: side by side they share the GPU instead of taking
+    turns. H200, bf16 32/8 heads d128, graph replay (benchmarks/results/prefill_tiles_h200_s7c.md): 4 chunks of
+    1024 on 3072 cached tokens + 60 decodes of 8k 1076 -> 1035 us; 8 prompts of 1k (the decode launch's programs
+    all return) 267 -> 260. AMD: not measured, so off. ``override(concurrent_prefill=)`` forces it.
+    """
+    forced = _OVERRIDES.get("concurrent_prefill")
+    if forced is not None:
+        return bool(forced)
+    return not hip
 
 
 def fused_reduce(device: torch.device) -> bool:

@@ -12,6 +12,7 @@ plain eager calls skip its dispatcher, whose host cost exceeds a small decode.
 
 # No ``from __future__ import annotations``: torch.library reads the op's annotations.
 
+import contextlib
 import functools
 import math
 
@@ -113,6 +114,18 @@ def _stream_id(device: torch.device) -> int:
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a mixed batch's prefill launch runs on beside its decodes, one per (device, stream)."""
+    key = (device, _stream_id(device))
+    s = _SIDE.get(key)
+    if s is None:
+        s = _SIDE[key] = torch.cuda.Stream(device)
+    return s
 
 
 def _lock_buffer(device: torch.device, n: int) -> torch.Tensor:
@@ -257,17 +270,22 @@ def short_max(causal: bool) -> int:
     return SHORT_MAX if causal else 1
 
 
-def decode_rows(group: int, max_query_len: int, causal: bool) -> int:
+def decode_rows(group: int, max_query_len: int, causal: bool, hip: bool = False, big_smem: bool = False) -> int:
     """The decode kernel's rows: 16 for single tokens; 32 or 64 (tokens x heads) for a batch of short queries
     that 16 cannot hold. A batch with a prefill keeps 16: its short queries, if any, take a program per few
     tokens, and its single-token sequences (the usual mix) keep the decode tile.
 
-    32 rows where they hold the query: H200, bf16 32/8 heads d128, 64 x 8k x q8, graph replay
-    (benchmarks/results/decode_knobs_h200.md, run E): 547 us at 32 rows (2 warps) against 656 at 64.
+    The 32-row tile where it holds the query, except where the 64-row tile loads its block ids a tile ahead
+    (``big_smem``, NVIDIA: attention_config.decode_bt_ahead). H200, bf16 32/8 heads d128, q = 8, graph replay,
+    us at 32 / 64 rows: before the block ids ahead (benchmarks/results/decode_knobs_h200.md, run E) 64 x 8k 547
+    / 656; with them (benchmarks/results/decode_short_rows_h200.md) 64 x 8k 533 / 505, 8 x 8k 134 / 89, 1 x 32k
+    82 / 58, 64 x 256-16k 877 / 688.
     """
     rows = max_query_len * min(group, BLOCK_H)
     if max_query_len > short_max(causal) or rows <= BLOCK_H:
         return BLOCK_H
+    if big_smem and not hip:
+        return cfg.short_rows(SHORT_ROWS[-1])
     return cfg.short_rows(next(r for r in SHORT_ROWS if r >= rows or r == SHORT_ROWS[-1]))
 
 
@@ -285,7 +303,7 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     tile = f"d{head_pad}{'-masked' if pad else ''}"  # 80 and 96 share the masked 128 tile
     out = []
     dc = cfg.decode_tile(head_pad, itemsize, hip, interp)
-    block_h = decode_rows(group, max_query_len, causal)
+    block_h = decode_rows(group, max_query_len, causal, hip, big_smem)
     stream = stream and block_h == BLOCK_H  # the stream-K launch has the 16-row tile only (attention_config)
     const = {"BLOCK_H": block_h, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
              "FEATURES": decode_features, "FP8_KV": fp8,
@@ -344,7 +362,8 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     # the longest query the decode kernel takes in this call; the prefill kernel takes every longer one (a
     # max_query_len below the real one then leaves rows to nobody, as before, but never writes out of bounds)
     qmax = max(1, min(max_query_len, short_max(causal)))
-    block_h = decode_rows(group, max_query_len, causal)
+    big_smem = cfg.large_shared_memory(dev_index)
+    block_h = decode_rows(group, max_query_len, causal, hip, big_smem)
     chunks = cdiv(group, block_h)
     tblocks = cdiv(qmax, block_h // min(group, block_h))
     # Token blocks that will have work: all of them in a batch of short queries, one in a batch with a prefill
@@ -364,7 +383,7 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
     plan = select(query.dtype, k_cache.dtype, head_size, block_size, group, causal=causal, window=sliding_window,
                   softcap=softcap, alibi=alibi_slopes is not None, sinks=sinks is not None,
                   max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
-                  big_smem=cfg.large_shared_memory(dev_index), interp=interp, stream=dc.stream > 0,
+                  big_smem=big_smem, interp=interp, stream=dc.stream > 0,
                   merge_rows=merge_rows)
     # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
     # all return at once, and none of its host time
@@ -387,6 +406,13 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
         decode_grid = (num_seqs * tblocks, num_kv_heads * chunks, num_splits)
     else:
         decode_grid = (num_seqs, num_kv_heads * chunks, tblocks * num_splits)
+    side = None
+    if decodes and plan[-1].fn is prefill_kernel and dev.type == "cuda" and cfg.concurrent_prefill(hip):
+        # the compute-bound prefill beside the bandwidth-bound decodes: launched first, on a stream of its own
+        # that forks from this one and joins it again (under graph capture too)
+        side = _side_stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        plan = (plan[-1], *plan[:-1])
     for v in plan:
         if v.fn is not prefill_kernel and not decodes:
             continue
@@ -413,12 +439,15 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             block_m = v.constexprs["BLOCK_M"]
             per = block_m // min(group, block_m)
             grid = (num_tokens // per + num_seqs, num_kv_heads * cdiv(group, block_m))
-            prefill_kernel[grid](
-                query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
-                scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, qmax, num_seqs,
-                head_size,
-                *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
-            )
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                prefill_kernel[grid](
+                    query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
+                    scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, qmax,
+                    num_seqs, head_size,
+                    *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
+                )
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
 
 
 @torch.library.custom_op("kvcached::paged_attention", mutates_args=("out",))
@@ -576,8 +605,8 @@ def compile_variants(target: str) -> list[CompileVariant]:
             for head in HEAD_SIZES:
                 for any_feature in (False, True):
                     for fused in (False, True):
-                        # max_query_len 2 (16 rows hold it at group 4), 8 and 16 (the 32- and 64-row short
-                        # tiles), 17 (with a prefill); the stream-K launch takes the 16-row tile only
+                        # max_query_len 2 (16 rows hold it at group 4), 8 (the 32-row tile where a target takes it)
+                        # and 16 (the 64-row tile), 17 (with a prefill); the stream-K launch: the 16-row tile only
                         for qlen, stream in ((2, False), (2, True), (8, False), (SHORT_MAX, False),
                                              (SHORT_MAX + 1, False)):
                             for rows in (False, True):  # the split merge a row or a program's rows at a time

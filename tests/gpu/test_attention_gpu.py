@@ -123,6 +123,20 @@ def test_decode_merge_paths_repeat(fused):
                  **_features("sinks", 32))
 
 
+@pytest.mark.parametrize("rows", [None, 32, 64])
+@pytest.mark.parametrize("q", [2, 8, 16])
+@pytest.mark.parametrize(("layout", "feature"), [("contiguous", "none"), ("per_layer", "none"), ("contiguous", "all")])
+def test_short_queries(layout, feature, q, rows):
+    # Speculative decoding's verification: q new tokens a sequence on 256 to 16k keys, beside single tokens,
+    # through the decode kernel's short-query tiles: the dispatcher's (rows None), or the 32- or 64-row tile
+    # forced (the 32-row tile is the one sm80 and AMD take); q = 2 fits the 16-row decode tile whatever the knob
+    g = torch.Generator().manual_seed(q)
+    seq_lens = torch.randint(256, 16385, (24,), generator=g).tolist()
+    knobs = {} if rows is None else {"short_rows": rows}
+    with cfg.override(**knobs):
+        _run(layout=layout, q_lens=[q] * 20 + [1] * 4, seq_lens=seq_lens, seed=q, **_features(feature, 32))
+
+
 def test_long_prefill_8k():
     _run(q_lens=[8192], seq_lens=[8192], seed=6)
 
@@ -145,6 +159,33 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     ref = paged_attention_ref(query, k, v, bt, sl, qsl)
     assert relative_error(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("concurrent", [0, 1])
+def test_mixed_batch_prefill_stream_eager_and_graph(concurrent):
+    # chunked prefills beside decodes: the prefill launch on a stream of its own (concurrent 1) or after the
+    # decodes, eagerly and replayed from a CUDA graph (fork and join captured), each against float64
+    gen = torch.Generator().manual_seed(9)
+    k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=8, head_size=128,
+                               block_size=16, dtype=torch.bfloat16, num_blocks=8192, device="cuda")
+    q_lens, seq_lens = [700, 1, 1, 300] + [1] * 12, [4000, 8000, 300, 300] + [2000 + 97 * i for i in range(12)]
+    query, bt, sl, qsl = random_batch(q_lens, seq_lens, 32, 128, 16, k.shape[0], torch.bfloat16, device="cuda",
+                                      generator=gen)
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl)
+    out = torch.full_like(query, float("nan"))
+    kw = {"max_query_len": 700, "max_seq_len": 8000, "out": out}
+    with cfg.override(concurrent_prefill=concurrent):
+        paged_attention(query, k, v, bt, sl, qsl, **kw)
+        torch.cuda.synchronize()
+        assert relative_error(out, ref) < TOL[torch.bfloat16]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            paged_attention(query, k, v, bt, sl, qsl, **kw)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, ref) < TOL[torch.bfloat16]
 
 
 def test_torch_compile_inductor():
