@@ -517,6 +517,11 @@ def paged_attention(
     fewer query tokens. Above ``SHORT_MAX`` (16) it spares the decode kernel's launch in a
     batch of prefills only. Never pass it to a call captured in a CUDA graph that later
     batches of another make-up replay.
+
+    Streams: on NVIDIA a batch with prefills and decodes runs its prefill launch on a side stream that forks
+    from the current stream and joins it before the call returns (also under graph capture), so the call is
+    ordered on the current stream like any other op (``attention_config.override(concurrent_prefill=0)``: one
+    stream).
     """
     _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len,
               scale, causal, sliding_window, softcap, alibi_slopes, sinks, out, min_query_len)
