@@ -195,6 +195,21 @@ def kv_cache(layout, num_blocks: int, layers: int, device: torch.device):
     return bases, kc, vc
 
 
+def paged_batch(q_lens: list[int], seq_lens: list[int], seed: int, device: torch.device) -> tuple:
+    """A batch over a per-layer cache filled with random bf16: (query, block table from randperm, lengths,
+    query_start_loc, bases, K view, V view); the same values for the same seed in every process."""
+    from kvcached.layout import Layout
+
+    torch.manual_seed(seed)
+    q = torch.randn(sum(q_lens), Q_HEADS, HEAD, dtype=DT, device=device)
+    nb = -(-max(seq_lens) // BLOCK)
+    table = torch.randperm(len(seq_lens) * nb, device=device).to(torch.int32).view(-1, nb)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    bases, kc, vc = kv_cache(Layout.PER_LAYER, table.numel(), 1, device)
+    return q, table, lens, qsl, bases, kc, vc
+
+
 def layers_for(layout, per_layer_bytes: float, mem_gb: float) -> int:
     from kvcached.layout import Layout
 

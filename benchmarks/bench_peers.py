@@ -46,7 +46,7 @@ VLLM, FA3 = "vLLM Triton unified (peer)", "FA3 paged (peer)"  # the names bc.vll
 MEM_GB = 100.0  # the contiguous cache gets as many layers (2..8) as fit in this
 
 import _bench_common as bc  # noqa: E402  (torch only: the kernels come once the device is known)
-from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS  # noqa: E402
+from _bench_common import BLOCK, HEAD, KV_HEADS, Q_HEADS  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -112,14 +112,7 @@ def make_cases(kinds: list[str]) -> list[Case]:
 # -- data, reference, timing ------------------------------------------------------------------
 def inputs(case: Case):
     """Query, block table, lengths and a per-layer cache; the same values in every process (seeded by name)."""
-    torch.manual_seed(zlib.crc32(case.name.encode()))
-    q = torch.randn(sum(case.q_lens), Q_HEADS, HEAD, dtype=DT, device=DEV)
-    nb = -(-max(case.seq_lens) // BLOCK)
-    table = torch.randperm(len(case.seq_lens) * nb, device=DEV).to(torch.int32).view(-1, nb)
-    lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=DEV)
-    qsl = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
-    bases, kc, vc = bc.kv_cache(Layout.PER_LAYER, table.numel(), 1, DEV)
-    return q, table, lens, qsl, bases, kc, vc
+    return bc.paged_batch(case.q_lens, case.seq_lens, zlib.crc32(case.name.encode()), DEV)
 
 
 def reference(case: Case, q, kc, vc, table, qsl, w: int = 64):

@@ -30,32 +30,23 @@ ARGS = ap.parse_args()
 
 import torch  # noqa: E402
 from _bench_common import (  # noqa: E402
-    BLOCK,
-    DT,
     HEAD,
     Q_HEADS,
     graph_time_us,
     kernel_modules,
-    kv_cache,
+    paged_batch,
     peer_call,
     vllm_peers,
 )
 
 kvcached, pa, cfg, ref = kernel_modules(ARGS.root)
-from kvcached.layout import Layout  # noqa: E402
 
 DEV = torch.device("cuda")
 CASES = [(64, 128), (32, 256), (16, 512), (8, 1024), (4, 2048), (2, 4096), (1, 8192)]
 
 
 def case(n: int, length: int, knobs: dict, fa) -> str:
-    torch.manual_seed(n)
-    q = torch.randn(n * length, Q_HEADS, HEAD, dtype=DT, device=DEV)
-    nb = -(-length // BLOCK)
-    table = torch.randperm(n * nb, device=DEV).to(torch.int32).view(-1, nb)
-    lens = torch.tensor([length] * n, dtype=torch.int32, device=DEV)
-    qsl = torch.arange(0, (n + 1) * length, length, dtype=torch.int32, device=DEV)
-    _, kc, vc = kv_cache(Layout.PER_LAYER, table.numel(), 1, DEV)
+    q, table, lens, qsl, _, kc, vc = paged_batch([length] * n, [length] * n, n, DEV)
 
     def fn():
         return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=length, max_seq_len=length,

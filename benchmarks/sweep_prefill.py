@@ -37,8 +37,6 @@ ARGS = ap.parse_args()
 
 import torch  # noqa: E402
 from _bench_common import (  # noqa: E402
-    BLOCK,
-    DT,
     HEAD,
     Q_HEADS,
     Table,
@@ -46,12 +44,11 @@ from _bench_common import (  # noqa: E402
     gpu_slug,
     graph_time_us,
     kernel_modules,
-    kv_cache,
+    paged_batch,
     write_report,
 )
 
 kvcached, pa, cfg, ref = kernel_modules(ARGS.root)
-from kvcached.layout import Layout  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -72,13 +69,7 @@ def flops(q_lens: list[int], seq_lens: list[int]) -> float:
 
 
 def run(name: str, q_lens: list[int], seq_lens: list[int], extra: dict, knobs: dict) -> tuple:
-    torch.manual_seed(zlib.crc32(name.encode()))
-    q = torch.randn(sum(q_lens), Q_HEADS, HEAD, dtype=DT, device=DEV)
-    nb = -(-max(seq_lens) // BLOCK)
-    table = torch.randperm(len(seq_lens) * nb, device=DEV).to(torch.int32).view(-1, nb)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
-    bases, kc, vc = kv_cache(Layout.PER_LAYER, table.numel(), 1, DEV)
+    q, table, lens, qsl, bases, kc, vc = paged_batch(q_lens, seq_lens, zlib.crc32(name.encode()), DEV)
 
     def fn():
         return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
