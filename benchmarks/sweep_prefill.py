@@ -7,7 +7,8 @@
 Cases (bf16, 32 query / 8 KV heads, head 128, block 16, random block tables, per-layer
 cache): one causal 8k prompt; 8 prompts of 1k; 4 chunks of 1024 new tokens after 3072
 cached ones; those chunks beside 60 decodes of 8k (the mixed batch of bench_peers); the
-60 decodes alone; the 8k prompt with softcap 30 (the ``FEATURES`` compile). FLOPs count
+60 decodes alone; the 8k prompt with softcap 30 and with a 4096-key sliding window (the
+``FEATURES`` compile), and with an fp8 (e4m3) cache, alone and with softcap. FLOPs count
 only the causal pairs (4 x heads x head size x visible keys per query token). Each time
 is the median of 3 CUDA-graph captures (min..max shown), after the last 64 query rows of
 the first and last sequence are checked against float64. ``--tiles`` is a comma-separated
@@ -59,17 +60,31 @@ CASES = [
     ("mixed 4x1024(+3072) + 60x8192", [1024] * 4 + [1] * 60, [4096] * 4 + [8192] * 60, {}),
     ("decodes 60x8192", [1] * 60, [8192] * 60, {}),
     ("prefill 1x8192 softcap 30", [8192], [8192], {"softcap": 30.0}),
+    ("prefill 1x8192 window 4096", [8192], [8192], {"sliding_window": 4096}),
+    ("prefill 1x8192 fp8", [8192], [8192], {"fp8": True}),
+    ("prefill 8x1024 fp8", [1024] * 8, [1024] * 8, {"fp8": True}),
+    ("prefill 1x8192 fp8 softcap 30", [8192], [8192], {"fp8": True, "softcap": 30.0}),
 ]
-TILED = {"prefill 1x8192", "prefill 8x1024", "mixed 4x1024(+3072) + 60x8192", "prefill 1x8192 softcap 30"}
+TILED = {"prefill 1x8192", "prefill 8x1024", "mixed 4x1024(+3072) + 60x8192", "prefill 1x8192 softcap 30",
+         "prefill 1x8192 window 4096", "prefill 1x8192 fp8", "prefill 8x1024 fp8", "prefill 1x8192 fp8 softcap 30"}
 
 
-def flops(q_lens: list[int], seq_lens: list[int]) -> float:
-    # prefill rows only (the decode rows move bytes, not FLOPs): query token j of n sees s - n + j + 1 keys
+def flops(q_lens: list[int], seq_lens: list[int], window: int = 0) -> float:
+    # prefill rows only (the decode rows move bytes, not FLOPs): query token j of n sees s - n + j + 1 keys,
+    # at most ``window`` of them
+    if window:
+        return sum(4 * Q_HEADS * HEAD * sum(min(p + 1, window) for p in range(s - n, s))
+                   for n, s in zip(q_lens, seq_lens, strict=True) if n > 16)
     return sum(4 * Q_HEADS * HEAD * n * (s - n + (n + 1) / 2) for n, s in zip(q_lens, seq_lens, strict=True) if n > 16)
 
 
 def run(name: str, q_lens: list[int], seq_lens: list[int], extra: dict, knobs: dict) -> tuple:
     q, table, lens, qsl, bases, kc, vc = paged_batch(q_lens, seq_lens, zlib.crc32(name.encode()), DEV)
+    extra = dict(extra)
+    if extra.pop("fp8", False):  # an e4m3 copy of the cache (dense per-layer strides), scales 1
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        one = torch.ones(1, dtype=torch.float32, device=DEV)
+        extra.update(k_scale=one, v_scale=one)
 
     def fn():
         return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
@@ -87,7 +102,7 @@ def run(name: str, q_lens: list[int], seq_lens: list[int], extra: dict, knobs: d
         ts = [graph_time_us(fn, DEV) for _ in range(3)]
         prof = profile(fn) if ARGS.profile and name.startswith("mixed") else ""
     t = statistics.median(ts)
-    f = flops(q_lens, seq_lens)
+    f = flops(q_lens, seq_lens, extra.get("sliding_window", 0))
     return t, min(ts), max(ts), (f / t / 1e6 if f else None), err, prof
 
 

@@ -153,6 +153,18 @@ def test_block_ids_a_tile_ahead_or_not(ahead, feature, layout):
         run_case(layout=layout, q_lens=[1, 3, 1], seq_lens=[500, 70, 9], splits=None, seed=42, **_features(feature))
 
 
+@pytest.mark.parametrize(("layout", "block_size", "heads"),
+                         [("contiguous", 16, (4, 2)), ("per_layer", 64, (6, 2)), ("contiguous", 32, (8, 1))])
+def test_prefill_diagonal_in_one_loop(layout, block_size, heads):
+    # attn_tiles' ONE_RUN (Hopper's choice for prompts of at most ONE_RUN_KEYS keys): the diagonal tiles in the
+    # interior loop behind a run-time mask; chunks after a context, prompts shorter than a tile, lengths off the
+    # tile and block edges, a group of 3 in the 32-row tile (padding rows), decodes beside them; bf16 too
+    with cfg.override(prefill_one_run=1):
+        for dtype in (torch.float16, torch.bfloat16):
+            run_case(layout=layout, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1], dtype=dtype,
+                     q_lens=[150, 1, 40, 33, 7, 64], seq_lens=[200, 300, 40, 97, 7, 64], splits=None, seed=43)
+
+
 @pytest.mark.parametrize("fused", [0, 1])
 def test_split_merge_paths_and_repeat(fused):
     # the in-kernel merge leaves its counters at zero: a second call (other lengths) is right too

@@ -206,14 +206,39 @@ def test_compile_variants_per_target(target):
     # block size, group, split count and feature values are run-time arguments: a small, fixed list
     # (dtype pairs x 5 tiles x (decode rows 16, 16 stream-K, 32 and 64, prefill) x FEATURES, plus the reduces per
     # query dtype x 4 tiles: a row at a time, and a decode program's 16, 32 or 64 rows at a time). Hopper-class
-    # targets have no 32-row tile: their short queries take the 64-row one (paged_attention.decode_rows).
+    # targets have no 32-row tile: their short queries take the 64-row one (paged_attention.decode_rows), and
+    # their plain 128-tile prefill (head 128, and 80/96 masked) over a 16-bit cache has a second compile for
+    # prompts of at most ONE_RUN_KEYS keys (attention_config.prefill_tile).
     hip, big_smem = _target_info(target)
-    rows = {16, 64} if big_smem and not hip else {16, 32, 64}
+    hopper = big_smem and not hip
+    rows = {16, 64} if hopper else {16, 32, 64}
     pairs = 4 if target in ("sm90", "gfx942", "gfx950") else 2
-    assert len(variants) == pairs * 5 * (len(rows) + 2) * 2 + 2 * 4 * (len(rows) + 1)
+    one_run = 2 * 2 if hopper else 0
+    assert len(variants) == pairs * 5 * (len(rows) + 2) * 2 + 2 * 4 * (len(rows) + 1) + one_run
+    assert len([v for v in variants if v.constexprs.get("ONE_RUN")]) == one_run
     assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel" and v.constexprs["STREAM"]} \
         == {16}
     assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == rows
+
+
+def test_prefill_tile_per_compile():
+    # Hopper-class NVIDIA: the FEATURES compile on 32-key tiles (the 64-key one spills), the one-loop diagonal for
+    # 16-bit caches when no sequence passes ONE_RUN_KEYS keys; AMD, sm80 and the interpreter keep their tile
+    hopper = {"hip": False, "big_smem": True, "interp": False}
+    plain = cfg.prefill_tile(128, 2, **hopper)
+    assert (plain.block_m, plain.block_n, plain.num_warps, plain.bt_ahead, plain.one_run) == (256, 64, 16, True, False)
+    assert cfg.prefill_tile(128, 2, **hopper, features=True).block_n == 32
+    assert cfg.prefill_tile(128, 1, **hopper, features=True).block_n == 64  # fp8 caches lost at 32 keys
+    assert cfg.prefill_tile(128, 2, **hopper, short_keys=True).one_run
+    assert not cfg.prefill_tile(128, 1, **hopper, short_keys=True).one_run
+    assert not cfg.prefill_tile(128, 2, **hopper, features=True, short_keys=True).one_run
+    assert not cfg.prefill_tile(128, 2, hip=True, big_smem=False, interp=False, short_keys=True).one_run
+    assert not cfg.prefill_tile(128, 2, hip=False, big_smem=False, interp=False, short_keys=True).one_run
+    assert not cfg.prefill_tile(64, 2, **hopper, short_keys=True).one_run  # no block ids ahead on that tile
+    assert not cfg.prefill_tile(128, 2, hip=False, big_smem=False, interp=True, short_keys=True).one_run
+    with cfg.override(prefill_one_run=1):
+        assert cfg.prefill_tile(128, 2, hip=False, big_smem=False, interp=True).one_run  # the CPU tests' way in
+        assert not cfg.prefill_tile(128, 2, hip=False, big_smem=False, interp=True, features=True).one_run
 
 
 def test_short_query_rows_per_target():
@@ -255,13 +280,17 @@ def test_every_dispatcher_choice_is_compiled(target):
                     for group in (1, 7, 33):
                         for feats in _feature_sets():
                             for max_query_len in (1, 4, 16, 300):
-                                for num_splits, fused, stream, rows in (
-                                        (1, False, False, False), (37, False, False, False), (37, False, False, True),
-                                        (128, True, False, True), (37, False, True, False), (37, False, True, True),
-                                        (128, True, True, False)):
+                                # short: no sequence past attention_config.ONE_RUN_KEYS keys
+                                for num_splits, fused, stream, rows, short in (
+                                        (1, False, False, False, False), (37, False, False, False, False),
+                                        (37, False, False, True, False), (128, True, False, True, False),
+                                        (37, False, True, False, False), (37, False, True, True, False),
+                                        (128, True, True, False, False), (1, False, False, False, True),
+                                        (37, False, False, True, True)):
                                     plan = select(qdt, kdt, head, block, group, max_query_len=max_query_len,
                                                   num_splits=num_splits, fused=fused, hip=hip, big_smem=big_smem,
-                                                  interp=False, stream=stream, merge_rows=rows, **feats)
+                                                  interp=False, stream=stream, merge_rows=rows, short_keys=short,
+                                                  **feats)
                                     calls += 1
                                     kinds = [v.fn.__name__ for v in plan]
                                     assert kinds[0] == "decode_kernel"

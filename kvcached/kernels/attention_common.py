@@ -62,9 +62,11 @@ def attn_tile(
     FP8_KV: tl.constexpr,
     INTERP: tl.constexpr,
     blk_ids=None,
+    mask_from=None,
 ):
     """``k_ptr``/``v_ptr`` already point at the KV head; ``bt_row_ptr`` at the block-table row; ``blk_ids``: the
-    tile's block ids when the caller has loaded them (else they are loaded here).
+    tile's block ids when the caller has loaded them (else they are loaded here). ``mask_from`` (plain causal
+    compile, ``MASK`` False, ``blk_ids`` given): tiles from this key on get the causal mask, at run time.
 
     ``MASK`` False means every key of the tile is visible to every row and lies
     below ``key_hi`` (interior tiles): no per-key masks at all. Without ``FEATURES``
@@ -115,6 +117,9 @@ def attn_tile(
         elif CAUSAL:
             visible = visible & (keys[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
+    elif mask_from is not None:
+        if start >= mask_from:  # keys past the tile's last row are 0 block ids (the caller's mask), then hidden
+            s = tl.where(keys[None, :] <= q_pos[:, None], s, float("-inf"))
     if FEATURES:
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -149,9 +154,10 @@ def _tile_run(
     acc, m_i, l_i, q, run_lo, run_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
     stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
     BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, FEATURES: tl.constexpr, FP8_KV: tl.constexpr,
-    BT_AHEAD: tl.constexpr, INTERP: tl.constexpr,
+    BT_AHEAD: tl.constexpr, INTERP: tl.constexpr, mask_from=None,
 ):
-    """:func:`attn_tile` over the tiles from ``run_lo`` to ``run_hi`` (keys past ``hi`` masked when ``MASK``).
+    """:func:`attn_tile` over the tiles from ``run_lo`` to ``run_hi`` (keys past ``hi`` masked when ``MASK``;
+    ``mask_from``: see :func:`attn_tile`, with ``BT_AHEAD`` only).
 
     ``BT_AHEAD``: each iteration loads the next tile's block ids into registers. Loaded in the iteration that
     uses them, they are a global load the K/V addresses wait on, and Triton 3.6's pipeliner then issues the
@@ -170,7 +176,7 @@ def _tile_run(
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
                 stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, MASK, True,
-                FEATURES, FP8_KV, INTERP, blk,
+                FEATURES, FP8_KV, INTERP, blk, mask_from,
             )
     else:
         for start in range(run_lo, run_hi, BLOCK_N):
@@ -187,25 +193,35 @@ def attn_tiles(
     acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
     stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
     BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, LEAD: tl.constexpr, FEATURES: tl.constexpr, FP8_KV: tl.constexpr,
-    INTERP: tl.constexpr, BT_AHEAD: tl.constexpr = False,
+    INTERP: tl.constexpr, BT_AHEAD: tl.constexpr = False, ONE_RUN: tl.constexpr = False,
 ):
     """:func:`attn_tile` over keys ``[lo, hi)`` a tile at a time: the tiles from ``full_lo`` to ``full_hi`` whole
     for every row (no masks), the others masked. ``LEAD`` False: there are no masked tiles before ``full_lo``
-    (the caller passes ``full_lo == lo``, and the loop is not compiled). ``BT_AHEAD``: see :func:`_tile_run`."""
+    (the caller passes ``full_lo == lo``, and the loop is not compiled). ``BT_AHEAD``: see :func:`_tile_run`.
+    ``ONE_RUN`` (plain causal compile with ``BT_AHEAD``): the tiles from ``full_hi`` on go through the interior
+    run's loop, their mask behind a run-time test, so a program fills one K/V pipeline instead of two."""
     if LEAD:
         acc, m_i, l_i = _tile_run(
             acc, m_i, l_i, q, lo, full_lo, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
             stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True,
             FEATURES, FP8_KV, BT_AHEAD, INTERP,
         )
-    acc, m_i, l_i = _tile_run(
-        acc, m_i, l_i, q, full_lo, full_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
-        stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False,
-        FEATURES, FP8_KV, BT_AHEAD, INTERP,
-    )
-    acc, m_i, l_i = _tile_run(
-        acc, m_i, l_i, q, full_hi, hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
-        stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True,
-        FEATURES, FP8_KV, BT_AHEAD, INTERP,
-    )
+    if ONE_RUN:
+        tl.static_assert(BT_AHEAD and not FEATURES, "ONE_RUN: the plain causal compile with BT_AHEAD only")
+        acc, m_i, l_i = _tile_run(
+            acc, m_i, l_i, q, full_lo, hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
+            stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False,
+            FEATURES, FP8_KV, BT_AHEAD, INTERP, full_hi,
+        )
+    else:
+        acc, m_i, l_i = _tile_run(
+            acc, m_i, l_i, q, full_lo, full_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
+            stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False,
+            FEATURES, FP8_KV, BT_AHEAD, INTERP,
+        )
+        acc, m_i, l_i = _tile_run(
+            acc, m_i, l_i, q, full_hi, hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
+            stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True,
+            FEATURES, FP8_KV, BT_AHEAD, INTERP,
+        )
     return acc, m_i, l_i

@@ -43,10 +43,12 @@ class PrefillConfig:
     num_stages: int
     waves_per_eu: int = 0
     bt_ahead: bool = False  # load the next key tile's block ids a tile ahead (attention_common._tile_run)
+    maxnreg: int = 0  # NVIDIA only: registers a thread may use (0 = the compiler's choice)
+    one_run: bool = False  # the diagonal tiles in the interior tiles' loop (attention_common.attn_tiles ONE_RUN)
 
     @property
     def options(self) -> dict[str, int]:
-        return launch_options(self.num_warps, self.num_stages, self.waves_per_eu)
+        return launch_options(self.num_warps, self.num_stages, self.waves_per_eu, maxnreg=self.maxnreg)
 
 
 _OVERRIDES: dict[str, int] = {}
@@ -54,6 +56,7 @@ _OVERRIDES: dict[str, int] = {}
 # run (keys) it cuts a second wave's runs to
 SPLIT_WAVES = 2
 RUN_FLOOR = 1024
+ONE_RUN_KEYS = 2048  # the longest sequence (keys) for which the prefill runs its diagonal tiles in one loop
 STREAM_SEQS = 2  # sequences per stream-K program (on average) up to which a batch goes to the stream-K launch
 KNOBS = (
     "decode_block_n",
@@ -79,6 +82,8 @@ KNOBS = (
     "stream",
     "decode_bt_ahead",
     "prefill_bt_ahead",
+    "prefill_maxnreg",
+    "prefill_one_run",
     "merge_rows",
     "concurrent_prefill",
 )
@@ -177,20 +182,31 @@ def decode_warps(rows: int, head_pad: int, kv_itemsize: int, hip: bool, interp: 
     return 8
 
 
-def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool) -> PrefillConfig:
-    """The prefill kernel's tile and options for a target, with any :func:`override` knobs applied."""
-    # One tile per head size (no smaller tiles for short chunks): every extra tile is one more
+def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool,
+                 features: bool = False, short_keys: bool = False) -> PrefillConfig:
+    """The prefill kernel's tile and options for a target (``features``: the ``FEATURES`` compile; ``short_keys``:
+    no sequence of the call has more than :data:`ONE_RUN_KEYS` keys), with any :func:`override` knobs applied."""
+    # One tile per head size and compile (no smaller tiles for short chunks): every extra tile is one more
     # compile per dtype pair x head size x target for the ahead-of-time check.
-    base = prefill_base(head_pad, kv_itemsize, hip, big_smem, interp)
+    base = prefill_base(head_pad, kv_itemsize, hip, big_smem, interp, features)
+    # H200, bf16 32/8 heads d128, 8192 tokens in all, graph replay (prefill_tiles_h200_s8c.md, PSCALE lines, two
+    # runs), us: 64 x 128 133 -> 123, 32 x 256 148 -> 137, 16 x 512 184 -> 174, 8 x 1k 259 -> 253, 4 x 2k 414 ->
+    # 411; but 2 x 4k 711 -> 718, 1 x 8k 1214 -> 1233, the mixed batch 1042 -> 1052; fp8 caches lose (8 x 1k 342
+    # -> 356). So for bf16/fp16 caches whose sequences have at most ONE_RUN_KEYS keys only.
+    if short_keys and base.bt_ahead and not features and kv_itemsize == 2 and not interp:
+        base = replace(base, one_run=True)
     if not _OVERRIDES:
         return base
     o = _OVERRIDES
-    return replace(base, block_m=o.get("prefill_block_m", base.block_m),
+    tile = replace(base, block_m=o.get("prefill_block_m", base.block_m),
                    block_n=o.get("prefill_block_n", base.block_n),
                    num_warps=o.get("prefill_num_warps", base.num_warps),
                    num_stages=o.get("prefill_num_stages", base.num_stages),
                    waves_per_eu=o.get("prefill_waves_per_eu", base.waves_per_eu),
-                   bt_ahead=bool(o.get("prefill_bt_ahead", base.bt_ahead)))
+                   bt_ahead=bool(o.get("prefill_bt_ahead", base.bt_ahead)),
+                   maxnreg=o.get("prefill_maxnreg", base.maxnreg))
+    # the knob forces the one loop where the compile has it (plain causal, block ids ahead)
+    return replace(tile, one_run=bool(o.get("prefill_one_run", base.one_run)) and tile.bt_ahead and not features)
 
 
 @functools.lru_cache(maxsize=16)
@@ -319,8 +335,10 @@ def large_shared_memory(device_index: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool) -> PrefillConfig:
-    """The prefill tile and launch options for a target: one per head size, whatever the query length."""
+def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool,
+                 features: bool = False) -> PrefillConfig:
+    """The prefill tile and launch options for a target: one per head size and compile (``features``: the
+    ``FEATURES`` one), whatever the query length."""
     if interp:
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, bt_ahead=True)
     if hip:
@@ -340,20 +358,17 @@ def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
         # copies run two tiles ahead; benchmarks/results/prefill_tiles_h200_ahead.md): 1392 -> 1214 us (453 TFLOP/s),
         # 8 x 1k 289 -> 269, the mixed batch's prefill kernel 677 -> 590; 2 stages with it 1406 (no deeper
         # pipeline), 4 stages 1217. Other head sizes and tiles are not measured with it, so they keep it off.
+        # The FEATURES compile (softcap, window, ALiBi, sinks, non-causal) at 64 keys spills 288 bytes a thread
+        # (the 512 threads get 128 registers each), and ptxas serialises its wgmma (so does the plain one's, at 96
+        # bytes); at 32 keys, 4 stages: 32 bytes, not serialised. H200 (prefill_tiles_h200_s8b.md), one 8k prompt:
+        # softcap 30 2450 -> 2224 us, a 4096-key window 1241 -> 1186. Not for the plain compile (1217 -> 1330: the
+        # per-tile costs double) nor fp8 caches (1764 -> 1984; with softcap 2820 -> 2941).
+        if big_smem and features and kv_itemsize == 2:
+            return PrefillConfig(block_m=256, block_n=32, num_warps=16, num_stages=4, bt_ahead=True)
         if big_smem:
             return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=3, bt_ahead=True)
         return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)  # block_n 64 spills (sm80/sm90)
-
-
-def prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int, device_index: int = 0) -> PrefillConfig:
-    if _OVERRIDES:
-        return _prefill_config(head_pad, kv_itemsize, max_query_len, device_index)
-    return _prefill_cached(head_pad, kv_itemsize, max_query_len, device_index)
-
-
-def _prefill_config(head_pad: int, kv_itemsize: int, max_query_len: int, device_index: int) -> PrefillConfig:
-    return prefill_tile(head_pad, kv_itemsize, is_hip(), large_shared_memory(device_index), interpreting())
 
 
 def concurrent_prefill(hip: bool) -> bool:
@@ -401,4 +416,3 @@ def launch_options(num_warps: int, num_stages: int, waves_per_eu: int, hip: bool
 
 # Host time matters at batch 1 (the whole decode is ~10 us on the GPU): one dict lookup per call.
 _decode_cached = functools.lru_cache(maxsize=4096)(_decode_config)
-_prefill_cached = functools.lru_cache(maxsize=1024)(_prefill_config)

@@ -14,7 +14,9 @@ program for each tile of each decode in a mixed batch (60 decodes beside 4 chunk
 benchmarks/results/prefill_tiles_h200.md). Slots past a sequence's tiles return at once. Slots are visited last-first
 so the long causal tiles of a sequence start early. Key tiles are split in three
 runs: masked tiles at the sliding-window edge, unmasked interior tiles, masked tiles
-at the diagonal.
+at the diagonal; with ``ONE_RUN`` (plain causal, block ids a tile ahead) the diagonal's
+tiles go through the interior loop behind a run-time mask, one K/V pipeline to fill
+instead of two (short prompts: ``attention_config.prefill_tile``).
 
 Group size, block size and the head size within its power-of-two tile (``PAD_D``:
 80 and 96 on the 128 tile) are run-time values. ``FEATURES`` False is the plain
@@ -75,6 +77,7 @@ def prefill_kernel(
     FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
     BT_AHEAD: tl.constexpr,
+    ONE_RUN: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     slot = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -159,7 +162,7 @@ def prefill_kernel(
     acc, m_i, l_i = attn_tiles(
         acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_head, v_head, bt_row, stride_kb, stride_kt,
         stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, FEATURES,
-        FP8_KV, INTERP, BT_AHEAD,
+        FP8_KV, INTERP, BT_AHEAD, ONE_RUN,
     )
 
     if FP8_KV:

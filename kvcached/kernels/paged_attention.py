@@ -248,13 +248,14 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
 def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_size: int, group: int, *,
            causal: bool, window: int, softcap: float, alibi: bool, sinks: bool, max_query_len: int, num_splits: int,
            fused: bool, hip: bool, big_smem: bool, interp: bool, stream: bool = False,
-           merge_rows: bool = False) -> tuple:
+           merge_rows: bool = False, short_keys: bool = False) -> tuple:
     """The dispatcher: the kernels (with constexprs and options) one call launches, in order.
 
     Everything the dispatcher sees goes in; a tuple of ``CompileVariant`` comes out (decode,
     then the split reduce when ``num_splits > 1`` and not ``fused``, then prefill when
     ``max_query_len > 1``); ``stream``: the decode kernel's stream-K launch (its own compile); ``merge_rows``:
-    the split reduce a decode program's rows at a time (``reduce_rows_kernel``), not a row at a time.
+    the split reduce a decode program's rows at a time (``reduce_rows_kernel``), not a row at a time;
+    ``short_keys``: no sequence has more keys than ``attention_config.ONE_RUN_KEYS`` (the prefill's tile choice).
     Block size, group size, split count, feature values and the head
     size within its power-of-two tile are run-time kernel arguments: only the dtypes, the
     tile (32, 64, 128, masked 128 for 80/96, 256) and "any feature" pick a compile.
@@ -262,7 +263,8 @@ def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_si
     """
     # cached per inputs and override knobs: one dict lookup per call (host time matters at batch 1)
     return _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
-                   max_query_len, num_splits, fused, hip, big_smem, interp, stream, merge_rows, cfg.overrides_key())
+                   max_query_len, num_splits, fused, hip, big_smem, interp, stream, merge_rows, short_keys,
+                   cfg.overrides_key())
 
 
 def short_max(causal: bool) -> int:
@@ -291,7 +293,7 @@ def decode_rows(group: int, max_query_len: int, causal: bool, hip: bool = False,
 
 @functools.lru_cache(maxsize=4096)
 def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks, max_query_len,
-            num_splits, fused, hip, big_smem, interp, stream, merge_rows, overrides) -> tuple:
+            num_splits, fused, hip, big_smem, interp, stream, merge_rows, short_keys, overrides) -> tuple:
     qt, kt = _TRITON_DTYPE[q_dtype], _TRITON_DTYPE[kv_dtype]
     head_pad = next_pow2(head_size)
     fp8 = kv_dtype != q_dtype
@@ -322,12 +324,15 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
         out.append(CompileVariant(f"attn_reduce[{qt}-d{head_pad}]", reduce_kernel, _signature(reduce_kernel, qt, kt),
                                   {"HEAD_PAD": head_pad}, {"num_warps": 4, "num_stages": 1}))
     if max_query_len > short_max(causal):
-        pc = cfg.prefill_tile(head_pad, itemsize, hip, big_smem, interp)
+        pc = cfg.prefill_tile(head_pad, itemsize, hip, big_smem, interp, features, short_keys)
         const = {"HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_M": pc.block_m, "BLOCK_N": pc.block_n,
-                 "FEATURES": features, "FP8_KV": fp8, "BT_AHEAD": pc.bt_ahead, "INTERP": interp}
-        out.append(CompileVariant(f"attn_prefill[{qt}-{kt}-{tile}{feat}]", prefill_kernel,
+                 "FEATURES": features, "FP8_KV": fp8, "BT_AHEAD": pc.bt_ahead,
+                 "ONE_RUN": pc.one_run, "INTERP": interp}
+        one = "-onerun" if pc.one_run else ""
+        out.append(CompileVariant(f"attn_prefill{one}[{qt}-{kt}-{tile}{feat}]", prefill_kernel,
                                   _signature(prefill_kernel, qt, kt), const,
-                                  cfg.launch_options(pc.num_warps, pc.num_stages, pc.waves_per_eu, hip, interp)))
+                                  cfg.launch_options(pc.num_warps, pc.num_stages, pc.waves_per_eu, hip, interp,
+                                                     pc.maxnreg)))
     return tuple(out)
 
 
@@ -384,7 +389,7 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
                   softcap=softcap, alibi=alibi_slopes is not None, sinks=sinks is not None,
                   max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
                   big_smem=big_smem, interp=interp, stream=dc.stream > 0,
-                  merge_rows=merge_rows)
+                  merge_rows=merge_rows, short_keys=max_seq_len <= cfg.ONE_RUN_KEYS)
     # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
     # all return at once, and none of its host time
     decodes = min_query_len <= short_max(causal)
@@ -614,11 +619,12 @@ def compile_variants(target: str) -> list[CompileVariant]:
                         # and 16 (the 64-row tile), 17 (with a prefill); the stream-K launch: the 16-row tile only
                         for qlen, stream in ((2, False), (2, True), (8, False), (SHORT_MAX, False),
                                              (SHORT_MAX + 1, False)):
-                            for rows in (False, True):  # the split merge a row or a program's rows at a time
+                            # the split merge a row or a program's rows at a time; prompts up to ONE_RUN_KEYS keys
+                            for rows, short in ((False, False), (True, False), (False, True)):
                                 for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0,
                                                 alibi=any_feature, sinks=False, max_query_len=qlen, num_splits=2,
                                                 fused=fused, hip=hip, big_smem=big_smem, interp=False, stream=stream,
-                                                merge_rows=rows):
+                                                merge_rows=rows, short_keys=short):
                                     seen.setdefault(variant_key(v), v)
     return list(seen.values())
 

@@ -141,6 +141,19 @@ def test_long_prefill_8k():
     _run(q_lens=[8192], seq_lens=[8192], seed=6)
 
 
+@pytest.mark.parametrize("one_run", [None, 0, 1])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_short_prompts_diagonal_in_one_loop(layout, dtype, one_run):
+    # Prompts and chunks of at most attention_config.ONE_RUN_KEYS keys: on Hopper-class GPUs the dispatcher (None)
+    # runs the prefill's diagonal tiles in its interior loop (attn_tiles ONE_RUN); 0 / 1 force either loop. Lengths
+    # off the 64-token tile and 16-key block edges, a chunk after its context, decodes beside them.
+    knobs = {} if one_run is None else {"prefill_one_run": one_run}
+    with cfg.override(**knobs):
+        _run(layout=layout, dtype=dtype, q_lens=[2048, 1, 777, 100, 65, 1, 300],
+             seq_lens=[2048, 2000, 777, 1500, 65, 17, 300], seed=7)
+
+
 def test_cuda_graph_capture():
     gen = torch.Generator().manual_seed(7)
     k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=8, head_size=128,
