@@ -7,8 +7,9 @@
 Cases (bf16, 32 query / 8 KV heads, head 128, block 16, random block tables, per-layer
 cache): one causal 8k prompt; 8 prompts of 1k; 4 chunks of 1024 new tokens after 3072
 cached ones; those chunks beside 60 decodes of 8k (the mixed batch of bench_peers); the
-60 decodes alone; the 8k prompt with softcap 30 and with a 4096-key sliding window (the
-``FEATURES`` compile), and with an fp8 (e4m3) cache, alone and with softcap. FLOPs count
+60 decodes alone; the 8k prompt with softcap 30, a 4096-key sliding window, ALiBi or sinks, and
+8 x 1k with softcap (the ``FEATURES`` compile); the 8k prompt and 8 x 1k with an fp8 (e4m3) cache,
+and the 8k one with fp8 and softcap. FLOPs count
 only the causal pairs (4 x heads x head size x visible keys per query token). Each time
 is the median of 3 CUDA-graph captures (min..max shown), after the last 64 query rows of
 the first and last sequence are checked against float64. ``--tiles`` is a comma-separated
@@ -61,12 +62,16 @@ CASES = [
     ("decodes 60x8192", [1] * 60, [8192] * 60, {}),
     ("prefill 1x8192 softcap 30", [8192], [8192], {"softcap": 30.0}),
     ("prefill 1x8192 window 4096", [8192], [8192], {"sliding_window": 4096}),
+    ("prefill 1x8192 alibi", [8192], [8192], {"alibi": True}),
+    ("prefill 1x8192 sinks", [8192], [8192], {"sinks": True}),
+    ("prefill 8x1024 softcap 30", [1024] * 8, [1024] * 8, {"softcap": 30.0}),
     ("prefill 1x8192 fp8", [8192], [8192], {"fp8": True}),
     ("prefill 8x1024 fp8", [1024] * 8, [1024] * 8, {"fp8": True}),
     ("prefill 1x8192 fp8 softcap 30", [8192], [8192], {"fp8": True, "softcap": 30.0}),
 ]
 TILED = {"prefill 1x8192", "prefill 8x1024", "mixed 4x1024(+3072) + 60x8192", "prefill 1x8192 softcap 30",
-         "prefill 1x8192 window 4096", "prefill 1x8192 fp8", "prefill 8x1024 fp8", "prefill 1x8192 fp8 softcap 30"}
+         "prefill 1x8192 window 4096", "prefill 1x8192 alibi", "prefill 1x8192 sinks", "prefill 8x1024 softcap 30",
+         "prefill 1x8192 fp8", "prefill 8x1024 fp8", "prefill 1x8192 fp8 softcap 30"}
 
 
 def flops(q_lens: list[int], seq_lens: list[int], window: int = 0) -> float:
@@ -85,6 +90,11 @@ def run(name: str, q_lens: list[int], seq_lens: list[int], extra: dict, knobs: d
         kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         one = torch.ones(1, dtype=torch.float32, device=DEV)
         extra.update(k_scale=one, v_scale=one)
+    gen = torch.Generator().manual_seed(3)  # ALiBi slopes and sink logits of the size models use
+    if extra.pop("alibi", False):
+        extra["alibi_slopes"] = (torch.rand(Q_HEADS, generator=gen) * 0.05).to(DEV)
+    if extra.pop("sinks", False):
+        extra["sinks"] = (torch.randn(Q_HEADS, generator=gen) * 2).to(DEV)
 
     def fn():
         return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens),

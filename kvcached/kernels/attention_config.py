@@ -361,8 +361,9 @@ def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
         # The FEATURES compile (softcap, window, ALiBi, sinks, non-causal) at 64 keys spills 288 bytes a thread
         # (the 512 threads get 128 registers each), and ptxas serialises its wgmma (so does the plain one's, at 96
         # bytes); at 32 keys, 4 stages: 32 bytes, not serialised. H200 (prefill_tiles_h200_s8b.md), one 8k prompt:
-        # softcap 30 2450 -> 2224 us, a 4096-key window 1241 -> 1186. Not for the plain compile (1217 -> 1330: the
-        # per-tile costs double) nor fp8 caches (1764 -> 1984; with softcap 2820 -> 2941).
+        # softcap 30 2450 -> 2224 us, a 4096-key window 1241 -> 1186; repeated against 64 keys with ALiBi and sinks
+        # (prefill_tiles_h200_s8e.md): 1635 -> 1468, 1638 -> 1465, 8 x 1k softcap 456 -> 415. Not for the plain
+        # compile (1217 -> 1330: the per-tile costs double) nor fp8 caches (1764 -> 1984; softcap 2820 -> 2941).
         if big_smem and features and kv_itemsize == 2:
             return PrefillConfig(block_m=256, block_n=32, num_warps=16, num_stages=4, bt_ahead=True)
         if big_smem:
