@@ -37,6 +37,7 @@ from kvcached.kernels.platform import (
 from kvcached.kernels.write_kv import unit_scale
 
 _LOG2E = 1.4426950408889634
+REDUCE_CH = 8  # splits the merge kernel loads at once (a [8, 512] fp32 tile: 32 registers a thread at 4 warps)
 _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv",
             torch.float8_e4m3fnuz: "fp8e4b8", torch.float8_e5m2: "fp8e5"}
 
@@ -122,25 +123,32 @@ def _mla_decode_kernel(
 def _mla_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, num_heads, num_splits,
     s_os, s_oh, s_od,
-    KV_LORA: tl.constexpr, BLOCK_DV: tl.constexpr,
+    KV_LORA: tl.constexpr, BLOCK_DV: tl.constexpr, CH: tl.constexpr,
 ):
+    # CH splits a load: one split a step with a branch on its lse put every split's loads in series (a
+    # memory latency each: 64 splits at batch 1). H200, graph replay (benchmarks/results/mla_reduce_h200.md):
+    # batch 1 x 8k 29.7 -> 27.1 us at 16 heads, 44.4 -> 41.7 at 128; few splits a sequence unchanged.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dv = tl.arange(0, BLOCK_DV)
+    ks = tl.arange(0, CH)
     row0 = (seq.to(tl.int64) * num_heads + head) * num_splits
     m = tl.full([], float("-inf"), tl.float32)
     denom = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for k in range(num_splits):
-        lse = tl.load(lse_ptr + row0 + k)
-        if lse > float("-inf"):  # empty splits (short sequences) contribute nothing
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)
-            part = tl.load(part_ptr + (row0 + k) * BLOCK_DV + dv)
-            acc = acc * alpha + w * part
-            denom = denom * alpha + w
-            m = m_new
+    for k0 in range(0, num_splits, CH):
+        k_ok = k0 + ks < num_splits
+        # empty splits (short sequences) have lse -inf: weight 0
+        lse = tl.load(lse_ptr + row0 + k0 + ks, mask=k_ok, other=float("-inf"))
+        part = tl.load(part_ptr + (row0 + k0 + ks)[:, None] * BLOCK_DV + dv[None, :],
+                       mask=k_ok[:, None] & (lse > float("-inf"))[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # all empty so far: keep exp2 away from -inf - -inf
+        alpha = tl.exp2(m - ref)
+        w = tl.exp2(lse - ref)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        denom = denom * alpha + tl.sum(w, 0)
+        m = m_new
     res = acc / tl.where(denom > 0, denom, 1.0)
     o = out_ptr + seq.to(tl.int64) * s_os + head.to(tl.int64) * s_oh + dv * s_od
     tl.store(o, res.to(out_ptr.dtype.element_ty), mask=dv < KV_LORA)
@@ -232,7 +240,7 @@ def _launch(
     if split:
         _mla_reduce_kernel[(num_seqs, num_heads)](
             part, lse, out, num_heads, num_splits, *out.stride(),
-            KV_LORA=kv_lora_rank, BLOCK_DV=block_dv, num_warps=4,
+            KV_LORA=kv_lora_rank, BLOCK_DV=block_dv, CH=REDUCE_CH, num_warps=4,
         )
 
 
@@ -383,8 +391,8 @@ def compile_variants(target: str) -> list[CompileVariant]:
     for q_dt in (torch.bfloat16, torch.float16):
         sig = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{_TL_NAME[q_dt]}", "num_heads": "i32",
                "num_splits": "i32", "s_os": "i64", "s_oh": "i64", "s_od": "constexpr", "KV_LORA": "constexpr",
-               "BLOCK_DV": "constexpr"}
-        const = {"s_od": 1, "KV_LORA": 512, "BLOCK_DV": 512}
+               "BLOCK_DV": "constexpr", "CH": "constexpr"}
+        const = {"s_od": 1, "KV_LORA": 512, "BLOCK_DV": 512, "CH": REDUCE_CH}
         variants.append(CompileVariant(f"mla_reduce[{_TL_NAME[q_dt]}]", _mla_reduce_kernel, sig, const,
                                        {"num_warps": 4}))
     return variants
