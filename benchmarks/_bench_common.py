@@ -195,6 +195,17 @@ def kv_cache(layout, num_blocks: int, layers: int, device: torch.device):
     return bases, kc, vc
 
 
+def mla_cache(layout, num_blocks: int, layers: int, device: torch.device):
+    """Layer 0 (per-layer) or the last layer (contiguous) of an MLA latent cache (576 channels), random bf16."""
+    from kvcached.layout import KVGeometry, KVSpec, allocate_plain, mla_view
+
+    geom = KVGeometry(KVSpec(layers, num_blocks, BLOCK, 1, 576, DT, kv_factor=1), layout, 18 << 20)
+    bases = allocate_plain(geom, device)
+    cache = mla_view(bases, geom, layers - 1)
+    cache.normal_()
+    return bases, cache
+
+
 def paged_batch(q_lens: list[int], seq_lens: list[int], seed: int, device: torch.device) -> tuple:
     """A batch over a per-layer cache filled with random bf16: (query, block table from randperm, lengths,
     query_start_loc, bases, K view, V view); the same values for the same seed in every process."""

@@ -69,6 +69,7 @@ from _bench_common import (  # noqa: E402
     graph_time_us,
     kv_cache,
     layers_for,
+    mla_cache,
     peer_call,
     time_us,
     vllm_peers,
@@ -77,7 +78,7 @@ from _bench_common import (  # noqa: E402
 
 from kvcached.kernels import paged_attention, paged_mla_decode, write_kv_cache  # noqa: E402
 from kvcached.kernels.reference import mla_decode_ref, paged_attention_ref  # noqa: E402
-from kvcached.layout import KVGeometry, KVSpec, Layout, allocate_plain, mla_view  # noqa: E402
+from kvcached.layout import Layout  # noqa: E402
 
 T_START = time.time()
 FLEX_DEADLINE_S = 240  # FlexAttention compiles per shape; stop adding flex rows after this
@@ -432,11 +433,7 @@ def run_mla(tab: Table, ceil: dict[str, float], shapes) -> None:
         t_per = None
         for layout in (Layout.PER_LAYER, Layout.CONTIGUOUS):
             try:
-                layers = 1 if layout is Layout.PER_LAYER else 4
-                geom = KVGeometry(KVSpec(layers, num_blocks, BLOCK, 1, 576, DT, kv_factor=1), layout, 18 << 20)
-                bases = allocate_plain(geom, DEV)
-                cache = mla_view(bases, geom, layers - 1)
-                cache.normal_()
+                bases, cache = mla_cache(layout, num_blocks, 1 if layout is Layout.PER_LAYER else 4, DEV)
                 sl = min(batch, 2)
                 want = mla_decode_ref(q[:sl], cache, table[:sl], lens[:sl], scale=576**-0.5)
 

@@ -20,17 +20,15 @@ sys.path.insert(0, os.path.abspath(ROOT))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _bench_common import graph_time_us, time_us  # noqa: E402
+from _bench_common import BLOCK, DT, graph_time_us, mla_cache, time_us  # noqa: E402
 
 import kvcached  # noqa: E402
 from kvcached.kernels import paged_mla_decode  # noqa: E402
 from kvcached.kernels.reference import mla_decode_ref  # noqa: E402
-from kvcached.layout import KVGeometry, KVSpec, Layout, allocate_plain, mla_view  # noqa: E402
+from kvcached.layout import Layout  # noqa: E402
 
 assert os.path.abspath(kvcached.__file__).startswith(os.path.abspath(ROOT)), kvcached.__file__
 DEV = torch.device("cuda")
-DT = torch.bfloat16
-BLOCK = 16
 SHAPES = [(1, 16, 8192), (4, 16, 8192), (32, 16, 8192), (128, 16, 4096), (1, 128, 8192), (64, 128, 4096)]
 
 
@@ -42,10 +40,7 @@ def main() -> None:
         q = torch.randn(batch, heads, 576, dtype=DT, device=DEV)
         table = torch.randperm(num_blocks, device=DEV).to(torch.int32).view(batch, nb)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-        geom = KVGeometry(KVSpec(1, num_blocks, BLOCK, 1, 576, DT, kv_factor=1), Layout.PER_LAYER, 18 << 20)
-        bases = allocate_plain(geom, DEV)
-        cache = mla_view(bases, geom, 0)
-        cache.normal_()
+        bases, cache = mla_cache(Layout.PER_LAYER, num_blocks, 1, DEV)
 
         def fn(q=q, cache=cache, table=table, lens=lens, ctx=ctx):
             return paged_mla_decode(q, cache, table, lens, scale=576**-0.5, max_seq_len=ctx)

@@ -208,17 +208,17 @@ def attn_tiles(
         )
     if ONE_RUN:
         tl.static_assert(BT_AHEAD and not FEATURES, "ONE_RUN: the plain causal compile with BT_AHEAD only")
-        acc, m_i, l_i = _tile_run(
-            acc, m_i, l_i, q, full_lo, hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
-            stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False,
-            FEATURES, FP8_KV, BT_AHEAD, INTERP, full_hi,
-        )
+        run_hi = hi
+        mask_from = full_hi
     else:
-        acc, m_i, l_i = _tile_run(
-            acc, m_i, l_i, q, full_lo, full_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
-            stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False,
-            FEATURES, FP8_KV, BT_AHEAD, INTERP,
-        )
+        run_hi = full_hi
+        mask_from = None
+    acc, m_i, l_i = _tile_run(
+        acc, m_i, l_i, q, full_lo, run_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
+        stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False,
+        FEATURES, FP8_KV, BT_AHEAD, INTERP, mask_from,
+    )
+    if not ONE_RUN:
         acc, m_i, l_i = _tile_run(
             acc, m_i, l_i, q, full_hi, hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
             stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True,

@@ -188,13 +188,7 @@ def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
     no sequence of the call has more than :data:`ONE_RUN_KEYS` keys), with any :func:`override` knobs applied."""
     # One tile per head size and compile (no smaller tiles for short chunks): every extra tile is one more
     # compile per dtype pair x head size x target for the ahead-of-time check.
-    base = prefill_base(head_pad, kv_itemsize, hip, big_smem, interp, features)
-    # H200, bf16 32/8 heads d128, 8192 tokens in all, graph replay (prefill_tiles_h200_s8c.md, PSCALE lines, two
-    # runs), us: 64 x 128 133 -> 123, 32 x 256 148 -> 137, 16 x 512 184 -> 174, 8 x 1k 259 -> 253, 4 x 2k 414 ->
-    # 411; but 2 x 4k 711 -> 718, 1 x 8k 1214 -> 1233, the mixed batch 1042 -> 1052; fp8 caches lose (8 x 1k 342
-    # -> 356). So for bf16/fp16 caches whose sequences have at most ONE_RUN_KEYS keys only.
-    if short_keys and base.bt_ahead and not features and kv_itemsize == 2 and not interp:
-        base = replace(base, one_run=True)
+    base = prefill_base(head_pad, kv_itemsize, hip, big_smem, interp, features, short_keys)
     if not _OVERRIDES:
         return base
     o = _OVERRIDES
@@ -336,9 +330,9 @@ def large_shared_memory(device_index: int) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, interp: bool,
-                 features: bool = False) -> PrefillConfig:
+                 features: bool = False, short_keys: bool = False) -> PrefillConfig:
     """The prefill tile and launch options for a target: one per head size and compile (``features``: the
-    ``FEATURES`` one), whatever the query length."""
+    ``FEATURES`` one), whatever the query length; ``short_keys``: see :func:`prefill_tile`."""
     if interp:
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, bt_ahead=True)
     if hip:
@@ -366,8 +360,14 @@ def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
         # compile (1217 -> 1330: the per-tile costs double) nor fp8 caches (1764 -> 1984; softcap 2820 -> 2941).
         if big_smem and features and kv_itemsize == 2:
             return PrefillConfig(block_m=256, block_n=32, num_warps=16, num_stages=4, bt_ahead=True)
+        # The diagonal tiles in the interior loop (``one_run``), H200, bf16 32/8 heads d128, 8192 tokens in all,
+        # graph replay (prefill_tiles_h200_s8c.md, PSCALE lines, two runs), us: 64 x 128 133 -> 123, 32 x 256 148
+        # -> 137, 16 x 512 184 -> 174, 8 x 1k 259 -> 253, 4 x 2k 414 -> 411; but 2 x 4k 711 -> 718, 1 x 8k 1214 ->
+        # 1233, the mixed batch 1042 -> 1052; fp8 caches lose (8 x 1k 342 -> 356). So for bf16/fp16 caches whose
+        # sequences have at most ONE_RUN_KEYS keys only.
         if big_smem:
-            return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=3, bt_ahead=True)
+            return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=3, bt_ahead=True,
+                                 one_run=short_keys and kv_itemsize == 2 and not features)
         return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)  # block_n 64 spills (sm80/sm90)
 
