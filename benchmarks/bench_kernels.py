@@ -393,31 +393,37 @@ def run_write(tab: Table, ceil: dict[str, float], tokens: int) -> None:
     num_blocks = 2 * tokens // BLOCK
     key = torch.randn(tokens, KV_HEADS, HEAD, dtype=DT, device=DEV)
     value = torch.randn(tokens, KV_HEADS, HEAD, dtype=DT, device=DEV)
-    slots = torch.randperm(num_blocks * BLOCK, device=DEV)[:tokens]
-    t_per = None
-    for layout in (Layout.PER_LAYER, Layout.CONTIGUOUS):
-        try:
-            bases, kc, vc = kv_cache(layout, num_blocks, 1 if layout is Layout.PER_LAYER else 4, DEV)
+    # random slots: every token on its own (the worst case); whole blocks: a prefill's tokens fill the blocks
+    # of its sequence in order, the blocks themselves anywhere in the cache (as an engine writes a prompt)
+    blocks = torch.randperm(num_blocks, device=DEV)[:tokens // BLOCK]
+    patterns = {"random slots": torch.randperm(num_blocks * BLOCK, device=DEV)[:tokens],
+                "whole blocks": (blocks[:, None] * BLOCK + torch.arange(BLOCK, device=DEV)).flatten()}
+    for name, slots in patterns.items():
+        t_per = None
+        for layout in (Layout.PER_LAYER, Layout.CONTIGUOUS):
+            impl = f"ours {layout.value}, {name}"
+            try:
+                bases, kc, vc = kv_cache(layout, num_blocks, 1 if layout is Layout.PER_LAYER else 4, DEV)
 
-            def fn(kc=kc, vc=vc):
-                write_kv_cache(key, value, kc, vc, slots)
+                def fn(kc=kc, vc=vc, slots=slots):
+                    write_kv_cache(key, value, kc, vc, slots)
 
-            fn()
-            ok = torch.equal(kc[slots // BLOCK, slots % BLOCK], key) and torch.equal(vc[slots // BLOCK, slots % BLOCK],
-                                                                                      value)
-            if not ok:
-                FAILED_CHECKS.append(f"write {layout.value}")
-            # GPU time from a graph replay, as an engine runs it (an eager do_bench call adds the host launch)
-            t = graph_time_us(fn, DEV) or time_us(fn, DEV)
-            bw = bytes_moved / t / 1e6
-            ratio = None if t_per is None else t / t_per
-            t_per = t_per or t
-            tab.add(tokens, f"ours {layout.value}", t, bw, 100 * bw / ceil["copy"], ratio, "exact" if ok else "WRONG")
-            del bases, kc, vc
-            fn = None
-        except Exception as exc:
-            tab.add(tokens, f"ours {layout.value}", None, None, None, None, "ERROR " + err_text(exc))
-        free_memory(DEV)
+                fn()
+                ok = torch.equal(kc[slots // BLOCK, slots % BLOCK], key) and torch.equal(
+                    vc[slots // BLOCK, slots % BLOCK], value)
+                if not ok:
+                    FAILED_CHECKS.append(f"write {layout.value} {name}")
+                # GPU time from a graph replay, as an engine runs it (an eager do_bench call adds the host launch)
+                t = graph_time_us(fn, DEV) or time_us(fn, DEV)
+                bw = bytes_moved / t / 1e6
+                ratio = None if t_per is None else t / t_per
+                t_per = t_per or t
+                tab.add(tokens, impl, t, bw, 100 * bw / ceil["copy"], ratio, "exact" if ok else "WRONG")
+                del bases, kc, vc
+                fn = None
+            except Exception as exc:
+                tab.add(tokens, impl, None, None, None, None, "ERROR " + err_text(exc))
+            free_memory(DEV)
 
 
 # -- MLA decode ------------------------------------------------------------------------------

@@ -5,18 +5,28 @@ group`` tokens times the heads that share a KV head (a group above ``BLOCK_M`` t
 several programs), so a K/V tile is loaded once for the whole group instead of once
 per query head: a quarter of the loads at 32 query / 8 KV heads.
 
-Grid ``(num_tokens // per + num_seqs, KV heads x head chunks)``: sequence ``i``'s
-tiles take the slots from ``query_start_loc[i] // per + i`` on, a bound the host knows
-without reading the device, and each program finds its sequence by binary search over
-those starts. A grid of ``max_query_len`` tiles for every sequence would launch a
-program for each tile of each decode in a mixed batch (60 decodes beside 4 chunks of
-1024: 15k programs that return at once; about 18 us of that batch's 1559 on an H200,
-benchmarks/results/prefill_tiles_h200.md). Slots past a sequence's tiles return at once. Slots are visited last-first
-so the long causal tiles of a sequence start early. Key tiles are split in three
-runs: masked tiles at the sliding-window edge, unmasked interior tiles, masked tiles
-at the diagonal; with ``ONE_RUN`` (plain causal, block ids a tile ahead) the diagonal's
-tiles go through the interior loop behind a run-time mask, one K/V pipeline to fill
-instead of two (short prompts: ``attention_config.prefill_tile``).
+Grid ``(slots x head_slots,)``: ``slots = num_tokens // per + num_seqs``, ``head_slots``
+= KV heads x head chunks. Sequence ``i``'s tiles take the slots from
+``query_start_loc[i] // per + i`` on, a bound the host knows without reading the
+device, and each program finds its sequence by binary search over those starts. A
+grid of ``max_query_len`` tiles for every sequence would launch a program for each
+tile of each decode in a mixed batch (60 decodes beside 4 chunks of 1024: 15k
+programs that return at once; about 18 us of that batch's 1559 on an H200,
+benchmarks/results/prefill_tiles_h200.md). Slots past a sequence's tiles return at
+once.
+
+Launch order: slots last-first, so a sequence's long causal tiles start early, and
+the head slots of one slot side by side. The GPU hands out programs in launch order;
+with the heads outermost, the last head's long tiles started after the first heads'
+short ones and ran on alone at the end. H200, bf16 32/8 heads d128, graph replay
+(benchmarks/results/prefill_tiles_h200_s9.md): 8 x 1k 254 -> 234 us, 4 x 2k 413 ->
+376, 4 chunks of 1024 after 3072 cached tokens 587 -> 551; one 8k prompt unchanged.
+
+Key tiles are split in three runs: masked tiles at the sliding-window edge, unmasked
+interior tiles, masked tiles at the diagonal; with ``ONE_RUN`` (plain causal, block
+ids a tile ahead) the diagonal's tiles go through the interior loop behind a run-time
+mask, one K/V pipeline to fill instead of two (short prompts:
+``attention_config.prefill_tile``).
 
 Group size, block size and the head size within its power-of-two tile (``PAD_D``:
 80 and 96 on the 128 tile) are run-time values. ``FEATURES`` False is the plain
@@ -32,7 +42,8 @@ import triton.language as tl
 from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tiles
 
 # run-time scalars whose value must not make Triton compile another specialisation
-_NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks", "short_max", "num_seqs"]
+_NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks", "short_max", "num_seqs",
+                  "head_slots"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -58,6 +69,7 @@ def prefill_kernel(
     bs_shift,
     short_max,
     num_seqs,
+    head_slots,
     head_size,
     stride_qt,
     stride_qh,
@@ -80,8 +92,9 @@ def prefill_kernel(
     ONE_RUN: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    slot = tl.num_programs(0) - 1 - tl.program_id(0)
-    hslot = tl.program_id(1)  # kv_head * chunks + chunk
+    pid = tl.program_id(0)
+    slot = tl.num_programs(0) // head_slots - 1 - pid // head_slots
+    hslot = pid % head_slots  # kv_head * chunks + chunk
     chunks = tl.cdiv(group, BLOCK_M)
     hc = tl.minimum(group, BLOCK_M)  # heads of the group in one program
     per = BLOCK_M // hc  # query tokens in one program

@@ -443,12 +443,13 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
             # rows are (token, head of the group) pairs: ``per`` tokens a program; slots as prefill_kernel says
             block_m = v.constexprs["BLOCK_M"]
             per = block_m // min(group, block_m)
-            grid = (num_tokens // per + num_seqs, num_kv_heads * cdiv(group, block_m))
+            head_slots = num_kv_heads * cdiv(group, block_m)
+            grid = ((num_tokens // per + num_seqs) * head_slots,)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 prefill_kernel[grid](
                     query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, alibi, sink_t, ks, vs,
                     scale, softcap, sliding_window, int(causal), has_alibi, has_sinks, group, bs_shift, qmax,
-                    num_seqs, head_size,
+                    num_seqs, head_slots, head_size,
                     *q_strides, *kv_strides, *o_strides, block_table.stride(0), **v.constexprs, **v.options,
                 )
     if side is not None:
