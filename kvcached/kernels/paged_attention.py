@@ -195,7 +195,7 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
         _fail(f"block_table must be a 2-D int32 tensor with unit column stride, got {block_table.dtype} "
               f"{tuple(bt_shape)}.")
     num_seqs = bt_shape[0]
-    if num_seqs > 65535:  # once a grid axis's limit (no launch has sequences on one now); kept
+    if num_seqs > 65535:  # no grid axis needs it now; kept: no test covers more
         _fail(f"{num_seqs} sequences in one call; at most 65535 are supported, split the batch.")
     sl_shape = seq_lens.shape
     if seq_lens.dtype != torch.int32 or len(sl_shape) != 1 or sl_shape[0] != num_seqs:
