@@ -99,6 +99,8 @@ def make_cases(kinds: list[str]) -> list[Case]:
         chunks, new, prior, decodes = 1, 8, 24, 2
         prefills = [(1, 32), (2, 16)]
     out = [Case("decode", f"decode {b}x{ctx}", [1] * b, [ctx] * b) for b in batches]
+    if GPU and not quick:  # issue 10's third long-context small batch, beside 1 and 8 x 8k
+        out.append(Case("decode", "decode 4x32768", [1] * 4, [32768] * 4))
     lens = torch.randint(lo, hi + 1, (n_uneven,), generator=torch.Generator().manual_seed(0)).tolist()
     out.append(Case("uneven", f"uneven {n_uneven}x{lo}..{hi}", [1] * n_uneven, lens))
     n_short = 64 if GPU else 2
