@@ -63,6 +63,15 @@ def graph_time_us(fn: Callable[[], object], device: torch.device) -> float | Non
     """
     if device.type != "cuda":
         return None
+    graph = capture_graph(fn, device)
+    try:
+        return time_us(graph.replay, device)
+    finally:
+        del graph
+
+
+def capture_graph(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
+    """One call of fn captured in a CUDA/HIP graph, after three warm-up calls on a side stream (compiles, caches)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -72,10 +81,7 @@ def graph_time_us(fn: Callable[[], object], device: torch.device) -> float | Non
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    try:
-        return time_us(graph.replay, device)
-    finally:
-        del graph
+    return graph
 
 
 def sync(device: torch.device) -> None:

@@ -20,7 +20,7 @@ TAG = sys.argv[2] if len(sys.argv) > 2 else "head"
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS, graph_time_us, kernel_modules  # noqa: E402
+from _bench_common import HEAD, capture_graph, graph_time_us, kernel_modules, paged_batch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 kvcached, pa, cfg, ref = kernel_modules(ROOT)
@@ -30,14 +30,7 @@ REPLAYS = 5
 
 
 def case(batch: int, ctx: int, q_len: int) -> str:
-    torch.manual_seed(0)
-    nb = ctx // BLOCK + 1
-    kc = torch.randn(batch * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=DEV)
-    vc = torch.randn_like(kc)
-    table = torch.randperm(batch * nb, device=DEV).to(torch.int32).view(batch, nb)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * q_len
-    q = torch.randn(batch * q_len, Q_HEADS, HEAD, dtype=DT, device=DEV)
+    q, table, lens, qsl, _, kc, vc = paged_batch([q_len] * batch, [ctx] * batch, batch * ctx + q_len, DEV)
 
     def fn():
         return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=q_len, max_seq_len=ctx,
@@ -46,14 +39,7 @@ def case(batch: int, ctx: int, q_len: int) -> str:
     want = ref.paged_attention_ref(q, kc, vc, table, lens, qsl, scale=HEAD**-0.5).double()
     err = (fn().double() - want).abs().max().item()
     t = sorted(graph_time_us(fn, DEV) for _ in range(3))[1]
-    side = torch.cuda.Stream(DEV)
-    side.wait_stream(torch.cuda.current_stream(DEV))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(DEV).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn, DEV)
     for _ in range(REPLAYS):
         graph.replay()
     torch.cuda.synchronize(DEV)
