@@ -30,6 +30,7 @@ compiles, not run).
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -242,9 +243,10 @@ def _compute_partition(out_ptr, q_smem, k_smem, v_smem, info_smem, q_ready, q_fr
                     fence_async_shared()
                     sc_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
                                            is_async=True)
-                    # tile j - 2's stage: its PV product was waited for last iteration. Released here, not there,
-                    # since ptxas hoists a wait that a release follows above the softmax it should overlap.
-                    # No barrier first: a warpgroup's wgmma is one operation (CUTLASS releases stages so too).
+                    # tile j - 2's stage, whose PV product was waited for last iteration: released an iteration
+                    # late so that nothing follows that wait (ptxas still puts it before the softmax: SASS in
+                    # gluon_prefill_steps_h200.md). No barrier first: a warpgroup's wgmma is one operation, and
+                    # CUTLASS releases its stages the same way.
                     if j >= 2:
                         mbarrier.arrive(kv_free.index((it + j - 2) % STAGES), count=1)
                     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
@@ -376,8 +378,19 @@ def launch_prefill_hopper(query, k_cache, v_cache, out, block_table, seq_lens, q
                           short_max: int, units: int, *, block_m: int = 128, block_n: int = 64, stages: int = 3,
                           load_warps: int = 4, load_regs: int = 80, compute_regs: int = 208, overlap: bool = False,
                           release_barrier: bool = True) -> None:
-    """One persistent launch over every query longer than ``short_max`` (the decode kernel takes the rest)."""
+    """One persistent launch over every query longer than ``short_max`` (the decode kernel takes the rest).
+
+    ``overlap``: FlashAttention-3's in-warpgroup order; ``release_barrier``: a warpgroup barrier before each stage's
+    release (the plain order); ``stages``: K/V stages of ``block_n`` keys; the register split between the loader
+    and the compute warpgroups in ``load_regs`` / ``compute_regs``."""
     num_tokens, num_heads, head = query.shape
+    # what the kernel is built for; anything else would hang on a barrier count or compute garbage
+    if block_m != 128 or load_warps != 4:
+        raise ValueError(f"block_m must be 128 (a warpgroup's 64 rows a compute partition) and load_warps 4 (one "
+                         f"mbarrier arrival a 128-thread partition), got {block_m} and {load_warps}.")
+    if head not in (64, 128) or query.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != query.dtype:
+        raise ValueError(f"head size 64 or 128 and one 16-bit dtype for query and cache, got head {head}, "
+                         f"{query.dtype} query, {k_cache.dtype} cache: use kvcached.paged_attention.")
     num_seqs = block_table.shape[0]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
