@@ -5,9 +5,10 @@ portable prefill (``kvcached.kernels.attention_prefill``) leaves what plain Trit
 the tensor cores idle through each softmax (Triton waits for every wgmma right after issuing it), and a
 program's set-up overlaps nothing. This kernel tries FlashAttention-3's structure with Gluon:
 
-* a loader partition (one warpgroup, few registers) gathers the paged K/V tiles and each work item's query rows
-  with ``cp.async`` into a ring of shared-memory stages, signalling mbarriers, and hands the compute side what it
-  needs of each item through shared memory (so the compute side never looks items up);
+* a loader partition (one warpgroup, few registers) gathers the paged K/V tiles (``cp.async``, or TMA bulk
+  copies of whole pages with ``use_tma``) and each work item's query rows (``cp.async``) into a ring of
+  shared-memory stages, signalling mbarriers, and hands the compute side what it needs of each item through
+  shared memory (so the compute side never looks items up);
 * two compute partitions, one warpgroup each, take the two row halves of every item; being separate partitions,
   no barrier ties them together, so one's softmax can run beside the other's tensor-core products;
 * one program an SM walks the work items (query slot x head slot, rows = (token, head of the group) pairs, long
@@ -15,13 +16,14 @@ program's set-up overlaps nothing. This kernel tries FlashAttention-3's structur
   and first tiles while the last ones compute.
 
 It is correct (float64 reference and the portable kernel, per-layer and contiguous layouts) and, on an H200,
-slower than the portable kernel (0.83-0.97x; 64 prompts of 128 tie), so it is not wired into the dispatcher.
+slower than the portable kernel (0.83-0.99x; 64 prompts of 128 tie), so it is not wired into the dispatcher.
 Measured limits: the compute partitions alone (copies skipped) reach 506-517 TFLOP/s on one 8k prompt against
-the portable kernel's ~450, but the loader's per-row address arithmetic for ``cp.async`` competes with them for
-issue slots (halving it took one 8k prompt from 1390 to 1279 us). ``overlap`` issues tile j's QK product before
-tile j - 1's PV product (FlashAttention-3's order), but ptxas still places the wait for the PV product before the
-softmax (1262 -> 1247 us). Next steps: TMA for the paged K/V (one thread, a few bulk copies a page) and an
-explicit ping-pong of the two warpgroups. Gluon's API moves between releases (Triton 3.9 renamed
+the portable kernel's ~450. With the copies, the ``cp.async`` loader's per-row address arithmetic competes with
+them for issue slots (halving it: 1390 -> 1279 us); ``use_tma`` moves whole pages with bulk copies from one
+thread instead (1235 us, 0.99x the portable kernel). ``overlap`` issues tile j's QK product before tile j - 1's
+PV product (FlashAttention-3's order), but ptxas still places the wait for the PV product before the softmax
+(1262 -> 1247 us). Next steps: an explicit ping-pong of the two warpgroups, and fewer K/V bytes a query token
+(a 128-row item reads each K/V tile once per 32 tokens). Gluon's API moves between releases (Triton 3.9 renamed
 ``thread_barrier`` and removed ``async_copy_global_to_shared``), so a kernel like this one pins its Triton.
 
 Scope: causal, no window, softcap, ALiBi or sinks; query and KV cache of one 16-bit dtype; head size 128 (64
@@ -37,9 +39,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _NEG = gl.constexpr(-1.0e30)  # finite: a fully masked row of a tile must not make exp2(-inf - -inf)
@@ -92,8 +96,9 @@ def _pick(v, i: gl.constexpr):
 def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, q_smem, k_smem, v_smem, info_smem,
                     q_ready, q_free, k_ready, v_ready, kv_free, num_items, num_slots, num_seqs, head_slots, group,
                     short_max, bs_shift, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                    stride_vh, stride_bt, kv_gap, HEAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, KV_DELTA: gl.constexpr):
+                    stride_vh, stride_bt, kv_gap, k_desc, v_desc, num_blocks, HEAD: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_DELTA: gl.constexpr,
+                    TMA: gl.constexpr, PAGE_ROWS: gl.constexpr):
     # 16-byte copies: HEAD // 8 threads across a row, the warp's other threads and the warps down the rows
     tpr: gl.constexpr = HEAD // 8
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [gl.num_warps(), 1], [1, 0])
@@ -128,34 +133,67 @@ def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
             async_copy.mbarrier_arrive(q_ready.index(qb), increment_count=False)
             mbarrier.arrive(q_ready.index(qb), count=1)  # after the info store (release)
             n += 1
-            k_head = k_ptr + kv_head * stride_kh
-            if KV_DELTA:  # V at a fixed distance from K: half the address arithmetic (1 x 8k 1390 -> 1279 us)
-                v_head = k_head + kv_gap
+            if TMA:
+                # bulk copies of whole pages (PAGE_ROWS keys x 64 channels each): one thread issues them, the
+                # hardware computes the addresses; a page past the sequence reads block num_blocks, out of the
+                # descriptor's bounds, which the copy fills with zeros
+                dtype: gl.constexpr = k_smem.dtype
+                chunk_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+                PAGES: gl.constexpr = BLOCK_N // PAGE_ROWS
+                HALVES: gl.constexpr = HEAD // 64
+                pg_l: gl.constexpr = gl.BlockedLayout([PAGES], [32], [gl.num_warps()], [0])
+                pidx = gl.arange(0, PAGES, layout=pg_l)
+                for j in range(n_tiles):
+                    keys0 = j * BLOCK_N + pidx * PAGE_ROWS
+                    blocks = gl.load(bt_row + (keys0 >> bs_shift), mask=keys0 < seq_len, other=num_blocks)
+                    s = it % STAGES
+                    mbarrier.wait(kv_free.index(s), ((it // STAGES) & 1) ^ 1)
+                    k_chunks = k_smem.index(s)._reinterpret(dtype, [HALVES * PAGES, 1, PAGE_ROWS, 64], chunk_l)
+                    v_chunks = v_smem.index(s)._reinterpret(dtype, [HALVES * PAGES, 1, PAGE_ROWS, 64], chunk_l)
+                    mbarrier.expect(k_ready.index(s), BLOCK_N * HEAD * 2)
+                    for pg in gl.static_range(PAGES):
+                        page_block = _pick(blocks, pg)
+                        row = (j * BLOCK_N + pg * PAGE_ROWS) & bs_mask
+                        for hf in gl.static_range(HALVES):
+                            tma.async_copy_global_to_shared(k_desc, [page_block, row, kv_head * HEAD + 64 * hf],
+                                                            k_ready.index(s), k_chunks.index(hf * PAGES + pg))
+                    mbarrier.expect(v_ready.index(s), BLOCK_N * HEAD * 2)
+                    for pg in gl.static_range(PAGES):
+                        page_block = _pick(blocks, pg)
+                        row = (j * BLOCK_N + pg * PAGE_ROWS) & bs_mask
+                        for hf in gl.static_range(HALVES):
+                            tma.async_copy_global_to_shared(v_desc, [page_block, row, kv_head * HEAD + 64 * hf],
+                                                            v_ready.index(s), v_chunks.index(hf * PAGES + pg))
+                    it += 1
             else:
-                v_head = v_ptr + kv_head * stride_vh
-            for j in range(n_tiles):
-                # the next tile's block ids before this tile's wait: their latency off the copy path
-                key_next = (j + 1) * BLOCK_N + rk
-                live_next = key_next < seq_len
-                block_next = gl.load(bt_row + (key_next >> bs_shift), mask=live_next, other=0)
-                s = it % STAGES
-                mbarrier.wait(kv_free.index(s), ((it // STAGES) & 1) ^ 1)
-                within = (j * BLOCK_N + rk) & bs_mask
-                b64 = block.to(gl.int64)
-                k_rows = b64 * stride_kb + within * stride_kt
-                if KV_DELTA:
-                    v_rows = k_rows
+                k_head = k_ptr + kv_head * stride_kh
+                if KV_DELTA:  # V at a fixed distance from K: half the address arithmetic (1 x 8k 1390 -> 1279 us)
+                    v_head = k_head + kv_gap
                 else:
-                    v_rows = b64 * stride_vb + within * stride_vt
-                async_copy.async_copy_global_to_shared(k_smem.index(s), k_head + k_rows[:, None] + d[None, :],
-                                                       mask=live[:, None])
-                async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
-                async_copy.async_copy_global_to_shared(v_smem.index(s), v_head + v_rows[:, None] + d[None, :],
-                                                       mask=live[:, None])
-                async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
-                block = block_next
-                live = live_next
-                it += 1
+                    v_head = v_ptr + kv_head * stride_vh
+                for j in range(n_tiles):
+                    # the next tile's block ids before this tile's wait: their latency off the copy path
+                    key_next = (j + 1) * BLOCK_N + rk
+                    live_next = key_next < seq_len
+                    block_next = gl.load(bt_row + (key_next >> bs_shift), mask=live_next, other=0)
+                    s = it % STAGES
+                    mbarrier.wait(kv_free.index(s), ((it // STAGES) & 1) ^ 1)
+                    within = (j * BLOCK_N + rk) & bs_mask
+                    b64 = block.to(gl.int64)
+                    k_rows = b64 * stride_kb + within * stride_kt
+                    if KV_DELTA:
+                        v_rows = k_rows
+                    else:
+                        v_rows = b64 * stride_vb + within * stride_vt
+                    async_copy.async_copy_global_to_shared(k_smem.index(s), k_head + k_rows[:, None] + d[None, :],
+                                                           mask=live[:, None])
+                    async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+                    async_copy.async_copy_global_to_shared(v_smem.index(s), v_head + v_rows[:, None] + d[None, :],
+                                                           mask=live[:, None])
+                    async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+                    block = block_next
+                    live = live_next
+                    it += 1
     # no more items: an empty one ends the compute partition's loop
     qb = n % 2
     mbarrier.wait(q_free.index(qb), ((n // 2) & 1) ^ 1)
@@ -322,6 +360,9 @@ def prefill_hopper_kernel(
     stride_oh,
     stride_bt,
     kv_gap,
+    k_desc,
+    v_desc,
+    num_blocks,
     HEAD: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -332,6 +373,8 @@ def prefill_hopper_kernel(
     KV_DELTA: gl.constexpr,
     OVERLAP: gl.constexpr,
     RELEASE_BARRIER: gl.constexpr,
+    TMA: gl.constexpr,
+    PAGE_ROWS: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD], dtype)
@@ -351,8 +394,9 @@ def prefill_hopper_kernel(
         mbarrier.init(q_ready.index(i), count=LOAD_WARPS * 32 + 1)
         mbarrier.init(q_free.index(i), count=2)  # one arrival a compute warpgroup
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=LOAD_WARPS * 32)
-        mbarrier.init(v_ready.index(i), count=LOAD_WARPS * 32)
+        # cp.async: every loader thread arrives once its copies land; TMA: one arrival with the bytes to expect
+        mbarrier.init(k_ready.index(i), count=1 if TMA else LOAD_WARPS * 32)
+        mbarrier.init(v_ready.index(i), count=1 if TMA else LOAD_WARPS * 32)
         mbarrier.init(kv_free.index(i), count=2)
     num_items = num_slots * head_slots
     gl.warp_specialize(
@@ -366,8 +410,8 @@ def prefill_hopper_kernel(
             (_load_partition, (q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, q_smem, k_smem, v_smem,
                                info_smem, q_ready, q_free, k_ready, v_ready, kv_free, num_items, num_slots, num_seqs,
                                head_slots, group, short_max, bs_shift, stride_qt, stride_qh, stride_kb, stride_kt,
-                               stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, kv_gap, HEAD, BLOCK_M, BLOCK_N,
-                               STAGES, KV_DELTA)),
+                               stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, kv_gap, k_desc, v_desc,
+                               num_blocks, HEAD, BLOCK_M, BLOCK_N, STAGES, KV_DELTA, TMA, PAGE_ROWS)),
         ],
         [4, LOAD_WARPS],
         [COMPUTE_REGS, LOAD_REGS],
@@ -377,7 +421,7 @@ def prefill_hopper_kernel(
 def launch_prefill_hopper(query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale: float,
                           short_max: int, units: int, *, block_m: int = 128, block_n: int = 64, stages: int = 3,
                           load_warps: int = 4, load_regs: int = 80, compute_regs: int = 208, overlap: bool = False,
-                          release_barrier: bool = True) -> None:
+                          release_barrier: bool = True, use_tma: bool = False) -> None:
     """One persistent launch over every query longer than ``short_max`` (the decode kernel takes the rest).
 
     ``overlap``: FlashAttention-3's in-warpgroup order; ``release_barrier``: a warpgroup barrier before each stage's
@@ -399,6 +443,14 @@ def launch_prefill_hopper(query, k_cache, v_cache, out, block_table, seq_lens, q
     num_slots = num_tokens // per + num_seqs
     bs_shift = k_cache.shape[1].bit_length() - 1
     grid = (min(units, num_slots * head_slots),)
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    page_rows = min(block_size, block_n)
+    chunk = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    # [blocks, block slots, heads x channels]: needs each token's heads side by side (stride(2) == head size)
+    descs = [TensorDescriptor(c, [num_blocks, block_size, c.shape[2] * head], [c.stride(0), c.stride(1), 1],
+                              [1, page_rows, 64], chunk) for c in (k_cache, v_cache)]
+    if use_tma and (k_cache.stride(2) != head or v_cache.stride(2) != head):
+        raise ValueError("use_tma needs each token's heads side by side in the cache (stride(2) == head size).")
     gap = v_cache.data_ptr() - k_cache.data_ptr()
     kv_delta = k_cache.stride() == v_cache.stride() and gap % (16 * k_cache.element_size()) == 0
     gap //= k_cache.element_size()
@@ -406,7 +458,8 @@ def launch_prefill_hopper(query, k_cache, v_cache, out, block_table, seq_lens, q
         query, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale, group, bs_shift, short_max,
         num_seqs, head_slots, num_slots, query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_table.stride(0), gap, HEAD=head, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, LOAD_WARPS=load_warps,
-        LOAD_REGS=load_regs, COMPUTE_REGS=compute_regs, KV_DELTA=kv_delta, OVERLAP=overlap,
-        RELEASE_BARRIER=release_barrier, num_warps=4,
+        block_table.stride(0), gap, descs[0], descs[1], num_blocks, HEAD=head, BLOCK_M=block_m, BLOCK_N=block_n,
+        STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs, COMPUTE_REGS=compute_regs, KV_DELTA=kv_delta,
+        OVERLAP=overlap,
+        RELEASE_BARRIER=release_barrier, TMA=use_tma, PAGE_ROWS=page_rows, num_warps=4,
     )
