@@ -16,15 +16,16 @@ program's set-up overlaps nothing. This kernel tries FlashAttention-3's structur
   and first tiles while the last ones compute.
 
 It is correct (float64 reference and the portable kernel, per-layer and contiguous layouts) and, on an H200,
-slower than the portable kernel (0.83-0.99x; 64 prompts of 128 tie), so it is not wired into the dispatcher.
-Measured limits: the compute partitions alone (copies skipped) reach 506-517 TFLOP/s on one 8k prompt against
-the portable kernel's ~450. With the copies, the ``cp.async`` loader's per-row address arithmetic competes with
-them for issue slots (halving it: 1390 -> 1279 us); ``use_tma`` moves whole pages with bulk copies from one
-thread instead (1235 us, 0.99x the portable kernel). ``overlap`` issues tile j's QK product before tile j - 1's
-PV product (FlashAttention-3's order), but ptxas still places the wait for the PV product before the softmax
-(1262 -> 1247 us). Next steps: an explicit ping-pong of the two warpgroups, and fewer K/V bytes a query token
-(a 128-row item reads each K/V tile once per 32 tokens). Gluon's API moves between releases (Triton 3.9 renamed
-``thread_barrier`` and removed ``async_copy_global_to_shared``), so a kernel like this one pins its Triton.
+slower than the portable kernel (0.83-0.99x; 64 prompts of 128 tie or lose), so it is not wired into the
+dispatcher. Measured limits: the compute partitions alone (copies skipped) reach 506-517 TFLOP/s on one 8k
+prompt against the portable kernel's ~450. With the copies, the ``cp.async`` loader's per-row address arithmetic
+competes with them for issue slots (halving it: 1390 -> 1279 us); ``use_tma`` moves whole pages with bulk copies
+from one thread instead (1235-1249 us, 0.98-0.99x the portable kernel). ``overlap`` issues tile j's QK product
+before tile j - 1's PV product (FlashAttention-3's order), but ptxas still places the wait for the PV product
+before the softmax (1262 -> 1247 us). Next steps: an explicit ping-pong of the two warpgroups, and fewer K/V
+bytes a query token (a 128-row item reads each K/V tile once per 32 tokens). Gluon's API moves between releases
+(Triton 3.9 renamed ``thread_barrier`` and removed ``async_copy_global_to_shared``), so a kernel like this one
+pins its Triton.
 
 Scope: causal, no window, softcap, ALiBi or sinks; query and KV cache of one 16-bit dtype; head size 128 (64
 compiles, not run).
@@ -93,6 +94,25 @@ def _pick(v, i: gl.constexpr):
 
 
 @gluon.jit
+def _tma_tile(desc, stage, ready, blocks, j, kv_head, bs_mask, HEAD: gl.constexpr, BLOCK_N: gl.constexpr,
+              PAGE_ROWS: gl.constexpr):
+    """Key tile ``j`` of one KV head into ``stage`` ([BLOCK_N, HEAD], 128-byte swizzle), a bulk copy per page and
+    64 channels: that layout keeps each 64-channel half of the tile whole, so a (page, half) box is one contiguous
+    2 KiB piece of the stage (for 16-key pages)."""
+    PAGES: gl.constexpr = BLOCK_N // PAGE_ROWS
+    HALVES: gl.constexpr = HEAD // 64
+    chunk_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    chunks = stage._reinterpret(stage.dtype, [HALVES * PAGES, 1, PAGE_ROWS, 64], chunk_l)
+    mbarrier.expect(ready, BLOCK_N * HEAD * 2)
+    for pg in gl.static_range(PAGES):
+        page_block = _pick(blocks, pg)
+        row = (j * BLOCK_N + pg * PAGE_ROWS) & bs_mask
+        for hf in gl.static_range(HALVES):
+            tma.async_copy_global_to_shared(desc, [page_block, row, kv_head * HEAD + 64 * hf], ready,
+                                            chunks.index(hf * PAGES + pg))
+
+
+@gluon.jit
 def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, q_smem, k_smem, v_smem, info_smem,
                     q_ready, q_free, k_ready, v_ready, kv_free, num_items, num_slots, num_seqs, head_slots, group,
                     short_max, bs_shift, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
@@ -137,10 +157,7 @@ def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
                 # bulk copies of whole pages (PAGE_ROWS keys x 64 channels each): one thread issues them, the
                 # hardware computes the addresses; a page past the sequence reads block num_blocks, out of the
                 # descriptor's bounds, which the copy fills with zeros
-                dtype: gl.constexpr = k_smem.dtype
-                chunk_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
                 PAGES: gl.constexpr = BLOCK_N // PAGE_ROWS
-                HALVES: gl.constexpr = HEAD // 64
                 pg_l: gl.constexpr = gl.BlockedLayout([PAGES], [32], [gl.num_warps()], [0])
                 pidx = gl.arange(0, PAGES, layout=pg_l)
                 for j in range(n_tiles):
@@ -148,22 +165,10 @@ def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
                     blocks = gl.load(bt_row + (keys0 >> bs_shift), mask=keys0 < seq_len, other=num_blocks)
                     s = it % STAGES
                     mbarrier.wait(kv_free.index(s), ((it // STAGES) & 1) ^ 1)
-                    k_chunks = k_smem.index(s)._reinterpret(dtype, [HALVES * PAGES, 1, PAGE_ROWS, 64], chunk_l)
-                    v_chunks = v_smem.index(s)._reinterpret(dtype, [HALVES * PAGES, 1, PAGE_ROWS, 64], chunk_l)
-                    mbarrier.expect(k_ready.index(s), BLOCK_N * HEAD * 2)
-                    for pg in gl.static_range(PAGES):
-                        page_block = _pick(blocks, pg)
-                        row = (j * BLOCK_N + pg * PAGE_ROWS) & bs_mask
-                        for hf in gl.static_range(HALVES):
-                            tma.async_copy_global_to_shared(k_desc, [page_block, row, kv_head * HEAD + 64 * hf],
-                                                            k_ready.index(s), k_chunks.index(hf * PAGES + pg))
-                    mbarrier.expect(v_ready.index(s), BLOCK_N * HEAD * 2)
-                    for pg in gl.static_range(PAGES):
-                        page_block = _pick(blocks, pg)
-                        row = (j * BLOCK_N + pg * PAGE_ROWS) & bs_mask
-                        for hf in gl.static_range(HALVES):
-                            tma.async_copy_global_to_shared(v_desc, [page_block, row, kv_head * HEAD + 64 * hf],
-                                                            v_ready.index(s), v_chunks.index(hf * PAGES + pg))
+                    _tma_tile(k_desc, k_smem.index(s), k_ready.index(s), blocks, j, kv_head, bs_mask, HEAD, BLOCK_N,
+                              PAGE_ROWS)
+                    _tma_tile(v_desc, v_smem.index(s), v_ready.index(s), blocks, j, kv_head, bs_mask, HEAD, BLOCK_N,
+                              PAGE_ROWS)
                     it += 1
             else:
                 k_head = k_ptr + kv_head * stride_kh
