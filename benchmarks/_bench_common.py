@@ -212,6 +212,16 @@ def mla_cache(layout, num_blocks: int, layers: int, device: torch.device):
     return bases, cache
 
 
+def prefill_flops(q_lens: list[int], seq_lens: list[int], window: int = 0, short_max: int = 16) -> float:
+    """Causal attention FLOPs of a batch's prefill rows (queries longer than ``short_max``; the decode rows move
+    bytes, not FLOPs): query token j of n sees s - n + j + 1 keys, at most ``window`` of them."""
+    if window:
+        return sum(4 * Q_HEADS * HEAD * sum(min(p + 1, window) for p in range(s - n, s))
+                   for n, s in zip(q_lens, seq_lens, strict=True) if n > short_max)
+    return sum(4 * Q_HEADS * HEAD * n * (s - n + (n + 1) / 2)
+               for n, s in zip(q_lens, seq_lens, strict=True) if n > short_max)
+
+
 def paged_batch(q_lens: list[int], seq_lens: list[int], seed: int, device: torch.device) -> tuple:
     """A batch over a per-layer cache filled with random bf16: (query, block table from randperm, lengths,
     query_start_loc, bases, K view, V view); the same values for the same seed in every process."""

@@ -118,7 +118,7 @@ def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
                     short_max, bs_shift, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                     stride_vh, stride_bt, kv_gap, k_desc, v_desc, num_blocks, HEAD: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_DELTA: gl.constexpr,
-                    TMA: gl.constexpr, PAGE_ROWS: gl.constexpr):
+                    PAGE_ROWS: gl.constexpr):
     # 16-byte copies: HEAD // 8 threads across a row, the warp's other threads and the warps down the rows
     tpr: gl.constexpr = HEAD // 8
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpr, tpr], [gl.num_warps(), 1], [1, 0])
@@ -136,8 +136,6 @@ def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
             item, qsl_ptr, seq_lens_ptr, num_slots, num_seqs, head_slots, group, short_max, BLOCK_M, BLOCK_N)
         if n_tiles > 0:
             bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-            live = rk < seq_len
-            block = gl.load(bt_row + (rk >> bs_shift), mask=live, other=0)  # the first tile's, early
             qb = n % 2
             mbarrier.wait(q_free.index(qb), ((n // 2) & 1) ^ 1)
             # what the compute partition needs of the item, so that it never looks items up itself
@@ -153,7 +151,7 @@ def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
             async_copy.mbarrier_arrive(q_ready.index(qb), increment_count=False)
             mbarrier.arrive(q_ready.index(qb), count=1)  # after the info store (release)
             n += 1
-            if TMA:
+            if k_desc is not None:
                 # bulk copies of whole pages (PAGE_ROWS keys x 64 channels each): one thread issues them, the
                 # hardware computes the addresses; a page past the sequence reads block num_blocks, out of the
                 # descriptor's bounds, which the copy fills with zeros
@@ -171,6 +169,8 @@ def _load_partition(q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr,
                               PAGE_ROWS)
                     it += 1
             else:
+                live = rk < seq_len
+                block = gl.load(bt_row + (rk >> bs_shift), mask=live, other=0)  # the first tile's, early
                 k_head = k_ptr + kv_head * stride_kh
                 if KV_DELTA:  # V at a fixed distance from K: half the address arithmetic (1 x 8k 1390 -> 1279 us)
                     v_head = k_head + kv_gap
@@ -378,7 +378,6 @@ def prefill_hopper_kernel(
     KV_DELTA: gl.constexpr,
     OVERLAP: gl.constexpr,
     RELEASE_BARRIER: gl.constexpr,
-    TMA: gl.constexpr,
     PAGE_ROWS: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -398,10 +397,11 @@ def prefill_hopper_kernel(
         # every loader thread arrives once its copies land (cp.async noinc), and one more time after the item's info
         mbarrier.init(q_ready.index(i), count=LOAD_WARPS * 32 + 1)
         mbarrier.init(q_free.index(i), count=2)  # one arrival a compute warpgroup
+    # cp.async: every loader thread arrives once its copies land; TMA: one arrival with the bytes to expect
+    ready_count: gl.constexpr = 1 if k_desc is not None else LOAD_WARPS * 32
     for i in gl.static_range(STAGES):
-        # cp.async: every loader thread arrives once its copies land; TMA: one arrival with the bytes to expect
-        mbarrier.init(k_ready.index(i), count=1 if TMA else LOAD_WARPS * 32)
-        mbarrier.init(v_ready.index(i), count=1 if TMA else LOAD_WARPS * 32)
+        mbarrier.init(k_ready.index(i), count=ready_count)
+        mbarrier.init(v_ready.index(i), count=ready_count)
         mbarrier.init(kv_free.index(i), count=2)
     num_items = num_slots * head_slots
     gl.warp_specialize(
@@ -416,7 +416,7 @@ def prefill_hopper_kernel(
                                info_smem, q_ready, q_free, k_ready, v_ready, kv_free, num_items, num_slots, num_seqs,
                                head_slots, group, short_max, bs_shift, stride_qt, stride_qh, stride_kb, stride_kt,
                                stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, kv_gap, k_desc, v_desc,
-                               num_blocks, HEAD, BLOCK_M, BLOCK_N, STAGES, KV_DELTA, TMA, PAGE_ROWS)),
+                               num_blocks, HEAD, BLOCK_M, BLOCK_N, STAGES, KV_DELTA, PAGE_ROWS)),
         ],
         [4, LOAD_WARPS],
         [COMPUTE_REGS, LOAD_REGS],
@@ -450,12 +450,14 @@ def launch_prefill_hopper(query, k_cache, v_cache, out, block_table, seq_lens, q
     grid = (min(units, num_slots * head_slots),)
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     page_rows = min(block_size, block_n)
-    chunk = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    # [blocks, block slots, heads x channels]: needs each token's heads side by side (stride(2) == head size)
-    descs = [TensorDescriptor(c, [num_blocks, block_size, c.shape[2] * head], [c.stride(0), c.stride(1), 1],
-                              [1, page_rows, 64], chunk) for c in (k_cache, v_cache)]
-    if use_tma and (k_cache.stride(2) != head or v_cache.stride(2) != head):
-        raise ValueError("use_tma needs each token's heads side by side in the cache (stride(2) == head size).")
+    descs = [None, None]  # no descriptors: the cp.async loader
+    if use_tma:
+        # [blocks, block slots, heads x channels]: needs each token's heads side by side (stride(2) == head size)
+        if k_cache.stride(2) != head or v_cache.stride(2) != head:
+            raise ValueError("use_tma needs each token's heads side by side in the cache (stride(2) == head size).")
+        chunk = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        descs = [TensorDescriptor(c, [num_blocks, block_size, c.shape[2] * head], [c.stride(0), c.stride(1), 1],
+                                  [1, page_rows, 64], chunk) for c in (k_cache, v_cache)]
     gap = v_cache.data_ptr() - k_cache.data_ptr()
     kv_delta = k_cache.stride() == v_cache.stride() and gap % (16 * k_cache.element_size()) == 0
     gap //= k_cache.element_size()
@@ -465,6 +467,5 @@ def launch_prefill_hopper(query, k_cache, v_cache, out, block_table, seq_lens, q
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_table.stride(0), gap, descs[0], descs[1], num_blocks, HEAD=head, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs, COMPUTE_REGS=compute_regs, KV_DELTA=kv_delta,
-        OVERLAP=overlap,
-        RELEASE_BARRIER=release_barrier, TMA=use_tma, PAGE_ROWS=page_rows, num_warps=4,
+        OVERLAP=overlap, RELEASE_BARRIER=release_barrier, PAGE_ROWS=page_rows, num_warps=4,
     )

@@ -35,13 +35,13 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 from _bench_common import (  # noqa: E402
     HEAD,
-    Q_HEADS,
     Table,
     environment,
     gpu_slug,
     graph_time_us,
     kv_cache,
     paged_batch,
+    prefill_flops,
     write_report,
 )
 from gluon_prefill import launch_prefill_hopper  # noqa: E402
@@ -101,7 +101,7 @@ def case(name, q_lens, seq_lens, table_out: Table) -> None:
     t_ours = sorted(graph_time_us(lambda: ours(q, table, lens, qsl, kc, vc, q_lens, seq_lens), DEV)
                     for _ in range(3))
     t_gluon = sorted(graph_time_us(lambda: gluon(q, table, lens, qsl, kc, vc, out), DEV) for _ in range(3))
-    flop = sum(4 * Q_HEADS * HEAD * n * (s - n + (n + 1) / 2) for n, s in zip(q_lens, seq_lens, strict=True))
+    flop = prefill_flops(q_lens, seq_lens, short_max=SHORT)
     table_out.add(name, t_ours[1], flop / t_ours[1] / 1e6, t_gluon[1], flop / t_gluon[1] / 1e6,
                   t_ours[1] / t_gluon[1], f"{t_gluon[0]:.0f}-{t_gluon[2]:.0f}")
 

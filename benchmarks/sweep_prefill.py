@@ -47,6 +47,7 @@ from _bench_common import (  # noqa: E402
     graph_time_us,
     kernel_modules,
     paged_batch,
+    prefill_flops,
     write_report,
 )
 
@@ -70,15 +71,6 @@ CASES = [
     ("prefill 1x8192 fp8 softcap 30", [8192], [8192], {"fp8": True, "softcap": 30.0}),
 ]
 TILED = {name for name, *_ in CASES} - {"chunks 4x1024(+3072)", "decodes 60x8192"}  # the cases a tile sweep times
-
-
-def flops(q_lens: list[int], seq_lens: list[int], window: int = 0) -> float:
-    # prefill rows only (the decode rows move bytes, not FLOPs): query token j of n sees s - n + j + 1 keys,
-    # at most ``window`` of them
-    if window:
-        return sum(4 * Q_HEADS * HEAD * sum(min(p + 1, window) for p in range(s - n, s))
-                   for n, s in zip(q_lens, seq_lens, strict=True) if n > 16)
-    return sum(4 * Q_HEADS * HEAD * n * (s - n + (n + 1) / 2) for n, s in zip(q_lens, seq_lens, strict=True) if n > 16)
 
 
 def run(name: str, q_lens: list[int], seq_lens: list[int], extra: dict, knobs: dict) -> tuple:
@@ -110,7 +102,7 @@ def run(name: str, q_lens: list[int], seq_lens: list[int], extra: dict, knobs: d
         ts = [graph_time_us(fn, DEV) for _ in range(3)]
         prof = profile(fn) if ARGS.profile and name.startswith("mixed") else ""
     t = statistics.median(ts)
-    f = flops(q_lens, seq_lens, extra.get("sliding_window", 0))
+    f = prefill_flops(q_lens, seq_lens, extra.get("sliding_window", 0))
     return t, min(ts), max(ts), (f / t / 1e6 if f else None), err, prof
 
 
