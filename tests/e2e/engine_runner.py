@@ -190,6 +190,24 @@ def _granite_layer_names() -> None:
         table.setdefault("full_attention", table["attention"])
 
 
+def _autotune_choices() -> dict[str, list[str]]:
+    """The config each of vLLM's autotuned Triton kernels chose in this process, by kernel. Each process times
+    the candidates itself, so engines sharing a GPU can choose differently; two choices that tile a reduction
+    differently sum it in another order and give other bits (vLLM 0.24's Mamba2 prefill kernels are autotuned)."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return {}
+    out: dict[str, list[str]] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("vllm.") or mod is None:
+            continue
+        for attr, obj in list(vars(mod).items()):
+            if isinstance(obj, Autotuner) and obj.cache:
+                out[f"{mod_name}.{attr}"] = sorted(f"{key}: {cfg}" for key, cfg in obj.cache.items())
+    return out
+
+
 def main() -> None:
     arg = sys.argv[1]
     if arg.startswith("@"):  # a spec too long for the command line
@@ -299,7 +317,7 @@ def main() -> None:
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
         "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
         "segment_peak": segment_peak, "preemptions": preemptions[0], "kv_groups": kv_groups, "page_size": page_size,
-        "runner": type(runner).__module__ if backend else None,
+        "runner": type(runner).__module__ if backend else None, "autotune": _autotune_choices(),
     }), flush=True)
 
 
