@@ -13,7 +13,8 @@ to fall), ``repeat`` (generate that many times) or ``phases`` (a list of
 ``{"generate": true}``, ``{"limit_bytes": N}`` (as kvctl sets it; -1 lifts it),
 ``{"settle_s": x}``), ``prompt_logprobs`` (k: teacher-forced logprobs of the prompts),
 ``ready_file`` / ``wait_file`` / ``signal_file`` (written after start / waited for
-before the first phase / written after the last), ``linger_s``, and vLLM's own
+before the first phase / written after the last), ``start_after`` (a file waited for
+before the engine starts), ``linger_s``, and vLLM's own
 ``attention_backend``, ``enforce_eager``, ``gpu_memory_utilization``,
 ``kv_cache_memory_bytes``, ``load_format``, ``async_scheduling``,
 ``compilation_config``, ``max_num_batched_tokens``, ``block_size``,
@@ -22,6 +23,7 @@ before the first phase / written after the last), ``linger_s``, and vLLM's own
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -153,6 +155,45 @@ def _count_preemptions(llm: object) -> list[int]:
     return count
 
 
+def _record_batches(llm: object) -> list[list] | None:
+    """Every batch the scheduler makes (an engine in this process only), as [request id, tokens scheduled] per
+    request. Two engines that schedule the same batches give their kernels the same shapes (a GEMM's algorithm,
+    and so its rounding, follows the batch's token count); preemption counts alone do not show that, since a
+    request can also wait for room without being preempted. The caller empties the list per phase."""
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        schedule = sched.schedule
+    except AttributeError:
+        return None
+    steps: list[list] = []
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        out = schedule(*args, **kwargs)
+        counts = getattr(out, "num_scheduled_tokens", None)
+        if counts:
+            steps.append(sorted([str(rid), int(n)] for rid, n in counts.items()))
+        return out
+
+    sched.schedule = recorded
+    return steps
+
+
+def _batch_digests(steps: list[list]) -> list[str]:
+    """One short digest per batch, with request ids counted from the phase's first (``LLM.generate`` numbers
+    requests on from the last call, and newer vLLM appends a random suffix to each id)."""
+
+    def number(rid: str) -> int | str:
+        head = rid.split("-")[0]
+        return int(head) if head.isdigit() else rid
+
+    first = min((number(r) for step in steps for r, _ in step if isinstance(number(r), int)), default=0)
+    out = []
+    for step in steps:
+        rows = sorted((n - first if isinstance(n := number(r), int) else n, k) for r, k in step)
+        out.append(hashlib.blake2s(repr(rows).encode(), digest_size=6).hexdigest())
+    return out
+
+
 def _segment_peak(name: str | None, reset: bool = False) -> int | None:
     """The engine's own high-water mark of KV bytes in use, from its segment (any process layout);
     ``reset`` starts a new window first, as ``kvctl peak --reset`` does."""
@@ -226,6 +267,8 @@ def main() -> None:
                 "skip_tokenizer_init", "tensor_parallel_size", "distributed_executor_backend"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
+    # start_after: another engine's ready file (it has autotuned and cached its Triton kernels' choices for this one)
+    _wait_for(spec.get("start_after"))
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     start_s = time.monotonic() - t0
@@ -238,6 +281,7 @@ def main() -> None:
     idle_before = sampler.read()
     peak = _watch_peak(llm)
     preemptions = _count_preemptions(llm)
+    batches = _record_batches(llm)
     _segment_peak(spec.get("ipc_name"), reset=True)  # the window starts at the idle engine
     prompts = _prompts(spec)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
@@ -250,6 +294,8 @@ def main() -> None:
         # phases: {"generate": true} | {"limit_bytes": N} (as kvctl sets it; -1 lifts it) | {"settle_s": x}
         for phase in spec.get("phases") or [{"generate": True}] * spec.get("repeat", 1):
             record = {"phase": phase, "used_before": sampler.read(), "t0": time.time()}
+            if batches is not None:
+                batches.clear()
             if phase.get("limit_bytes") is not None:
                 import subprocess
 
@@ -266,6 +312,7 @@ def main() -> None:
                     record["decode"] = [_decode_steps(r.outputs[0]) for r in results]
                     decode = record["decode"] if decode is None else decode
                 cached_tokens.append([int(r.num_cached_tokens or 0) for r in results])
+                record["batches"] = _batch_digests(batches) if batches is not None else None
             time.sleep(phase.get("settle_s", 0.0))
             record["used_after"] = sampler.read()
             record["preemptions"] = preemptions[0]
@@ -318,6 +365,7 @@ def main() -> None:
         "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
         "segment_peak": segment_peak, "preemptions": preemptions[0], "kv_groups": kv_groups, "page_size": page_size,
         "runner": type(runner).__module__ if backend else None, "autotune": _autotune_choices(),
+        "batches": next((p["batches"] for p in phases if "batches" in p), None),
     }), flush=True)
 
 

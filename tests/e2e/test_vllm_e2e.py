@@ -75,6 +75,8 @@ def test_burst_matches_vllm_and_memory_follows_load(tiny_model: str, baseline_bu
                                       VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess))
     assert baseline_burst["pool"] == "BlockPool" and baseline_burst["idle_before"] is None
     assert result["tokens"] == baseline_burst["tokens"]
+    if multiprocess == "0":  # the scheduler is in this process: the pool must not change a single batch
+        assert result["batches"] and result["batches"] == baseline_burst["batches"]
     assert all(len(t) == BURST["max_tokens"] for t in result["tokens"])
     _check_elastic(result, in_process=multiprocess == "0")
 
@@ -149,6 +151,7 @@ def test_mamba_state_shares_the_pool(tiny_mamba_model: str, baseline_mamba: dict
                    _kvcached_env(name, KVCACHED_CONTIGUOUS_LAYOUT=str(layout == "contiguous").lower()))
     assert sorted(baseline_mamba["kv_groups"]) == ["FullAttentionSpec", "MambaSpec"] == sorted(r["kv_groups"])
     assert r["tokens"] == baseline_mamba["tokens"]
+    assert r["batches"] and r["batches"] == baseline_mamba["batches"]  # every batch as plain vLLM scheduled it
     assert all(len(t) == MAMBA["max_tokens"] for t in r["tokens"])
     _check_elastic(r, rise=2)
 
