@@ -156,7 +156,7 @@ def _count_preemptions(llm: object) -> list[int]:
 
 
 def _record_batches(llm: object) -> list[list] | None:
-    """Every batch the scheduler makes (an engine in this process only), as [request id, tokens scheduled] per
+    """Every batch the scheduler makes (an engine in this process only), as (request id, tokens scheduled) per
     request. Two engines that schedule the same batches give their kernels the same shapes (a GEMM's algorithm,
     and so its rounding, follows the batch's token count); preemption counts alone do not show that, since a
     request can also wait for room without being preempted. The caller empties the list per phase."""
@@ -171,7 +171,7 @@ def _record_batches(llm: object) -> list[list] | None:
         out = schedule(*args, **kwargs)
         counts = getattr(out, "num_scheduled_tokens", None)
         if counts:
-            steps.append(sorted([str(rid), int(n)] for rid, n in counts.items()))
+            steps.append([(str(rid), int(n)) for rid, n in counts.items()])
         return out
 
     sched.schedule = recorded
@@ -186,10 +186,11 @@ def _batch_digests(steps: list[list]) -> list[str]:
         head = rid.split("-")[0]
         return int(head) if head.isdigit() else rid
 
-    first = min((number(r) for step in steps for r, _ in step if isinstance(number(r), int)), default=0)
+    numbered = [[(number(r), k) for r, k in step] for step in steps]
+    first = min((n for step in numbered for n, _ in step if isinstance(n, int)), default=0)
     out = []
-    for step in steps:
-        rows = sorted((n - first if isinstance(n := number(r), int) else n, k) for r, k in step)
+    for step in numbered:
+        rows = sorted((n - first if isinstance(n, int) else n, k) for n, k in step)
         out.append(hashlib.blake2s(repr(rows).encode(), digest_size=6).hexdigest())
     return out
 
