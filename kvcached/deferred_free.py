@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+from kvcached.log import get_kvcached_logger
+
+logger = get_kvcached_logger()
+
 
 def record_event(device: torch.device) -> Any:
     """An event after the work launched so far on ``device``'s current stream (CUDA and ROCm alike)."""
@@ -48,6 +52,7 @@ class DeferredFree:
         self._cv = threading.Condition()
         self._waiter: threading.Thread | None = None
         self._closed = False
+        self.error: BaseException | None = None  # what stopped the waiter thread, if anything did
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -89,7 +94,11 @@ class DeferredFree:
             try:
                 event.synchronize()  # without the lock: the engine keeps freeing meanwhile
                 self.drain()
-            except Exception:  # a broken device context: the pool's next call or flush reports it
+            except Exception as exc:  # a broken device context: the pool's next call or flush reports it
+                # Said here too: until then, frees that would empty a page wait for the pool's next call.
+                self.error = exc
+                logger.warning("kvcached: the deferred-free thread stopped (%r); pending frees now wait for "
+                               "the pool's next call", exc)
                 return
 
     def flush(self) -> None:

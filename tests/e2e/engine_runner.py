@@ -137,6 +137,37 @@ def _watch_peak(llm: object) -> list:
     return peak
 
 
+def _pool_state(llm: object) -> dict | None:
+    """Who holds the pool's pages (an engine in this process only), for a run whose memory did not fall back:
+    blocks requests hold, reservations, cached blocks, frees waiting for the device, and the waiter's health."""
+    try:
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        kv = pool.kv
+    except AttributeError:
+        return None
+    try:
+        return _holders(pool, kv)
+    except Exception as exc:  # only diagnostics
+        return {"error": repr(exc)}
+
+
+def _holders(pool: object, kv: object) -> dict:
+    deferred = getattr(kv, "_deferred", None)
+    queue = list(getattr(deferred, "_queue", ()))
+    waiter = getattr(deferred, "_waiter", None)
+    alloc = kv.page_allocator
+    return {
+        "pages_in_use": int(alloc.num_in_use), "pages_reserved": int(alloc.num_reserved),
+        "allocated_blocks": kv.num_allocated_blocks(), "request_blocks": pool._num_in_use(),
+        "held_for_scheduler": pool._held, "try_to_reserve": len(kv.reserved_blocks),
+        "cached_blocks": pool.free_block_queue.num_free_blocks, "pending_free": kv.pending_free_blocks,
+        "pending_batches": len(queue), "pending_done": [bool(e.query()) for e, _ in queue][:8],
+        "waiter_alive": None if waiter is None else waiter.is_alive(),
+        "waiter_error": repr(getattr(deferred, "error", None)),
+        "pages_with_blocks": sorted(p for p, n in pool._page_count.items() if n > 0)[:16],
+    }
+
+
 def _count_preemptions(llm: object) -> list[int]:
     """Preemptions the scheduler makes (an engine in this process only): batches with a preempted and
     recomputed request differ from an unpreempted run's, so their bf16 rounding may differ too."""
@@ -331,6 +362,15 @@ def main() -> None:
             open(spec["signal_file"], "w").close()
         time.sleep(spec.get("linger_s", 0.0))
     after = sampler.read()
+    late = None
+    if after is not None and idle_before is not None and after != idle_before:
+        # diagnostics: who holds the pages now, then whether they go back given more time (a delay) or not (a leak)
+        late = {"state": _pool_state(llm)}
+        t_late = time.monotonic()
+        while time.monotonic() - t_late < 10 and sampler.read() != idle_before:
+            time.sleep(0.05)
+        late.update(used=sampler.read(), waited_s=round(time.monotonic() - t_late, 2), state_after=_pool_state(llm))
+        print(f"kvcached: memory did not fall back after the run: {late}", flush=True)
     backend = None
     cached_blocks = None
     kv_planned = None
@@ -361,7 +401,7 @@ def main() -> None:
             pass
     print("RESULT " + json.dumps({
         "tokens": outputs[0] if outputs else None, "all_tokens": outputs, "start_s": start_s, "run_s": run_s,
-        "idle_before": idle_before, "after": after, "samples": sampler.samples, "phases": phases,
+        "idle_before": idle_before, "after": after, "late": late, "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
         "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
         "segment_peak": segment_peak, "preemptions": preemptions[0], "kv_groups": kv_groups, "page_size": page_size,
