@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""KV write against the pattern of its destination slots: where the gap to a copy comes from.
+
+    python benchmarks/sweep_kv_write_slots.py
+
+The write kernel moves the same bytes as a copy (read K and V, write them) plus one slot
+index a token. On the H200 it reaches 93-94 % of a same-size copy with random slots
+(kv_write_tiles_h200.md) and no tile or warp count changes that. This sweep holds the kernel
+fixed and varies only where the tokens land: in token order (slot = token, a copy with an
+index load), random slots, the same slots sorted, whole blocks in random or sorted order, over
+caches 1x, 2x and 8x the written tokens. Beside ours, vLLM's CUDA ``reshape_and_cache_flash``
+on the same data where vLLM is importable (the row says so where it is not).
+
+65,536 tokens x 8 KV heads x head 128, bf16, block 16; graph replay, best of 3 captures; the
+copy row is ``y.copy_(x)`` of the same K+V bytes. Each row checks every token bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from _bench_common import Table, environment, gpu_slug, graph_time_us, write_report  # noqa: E402
+
+from kvcached.kernels import write_kv_cache  # noqa: E402
+
+DEV = torch.device("cuda")
+T, H, D, BS = 65536, 8, 128, 16
+
+
+def _patterns(num_blocks: int) -> dict[str, torch.Tensor]:
+    perm = torch.randperm(num_blocks * BS, device=DEV)[:T]
+    blocks = torch.randperm(num_blocks, device=DEV)[: T // BS]
+    within = torch.arange(BS, device=DEV)
+    pats = {
+        "token order (slot = token)": torch.arange(T, device=DEV),
+        "random slots": perm,
+        "random slots, sorted": perm.sort().values,
+        "whole blocks, random order": (blocks[:, None] * BS + within).flatten(),
+        "whole blocks, sorted": (blocks.sort().values[:, None] * BS + within).flatten(),
+    }
+    return {k: v.to(torch.int64).contiguous() for k, v in pats.items()}
+
+
+def _vllm_write():
+    try:
+        from vllm import _custom_ops as ops
+
+        return ops.reshape_and_cache_flash
+    except Exception as exc:  # absent or not built for this GPU: the table says so
+        return repr(exc)[:120]
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_kv_write_slots.py times GPU kernels: it needs a CUDA or ROCm GPU.")
+    key = torch.randn(T, H, D, dtype=torch.bfloat16, device=DEV)
+    val = torch.randn(T, H, D, dtype=torch.bfloat16, device=DEV)
+    moved = 2 * T * H * D * 2 * 2  # read K and V, write them (the slots' 8 bytes a token left out, as in the copy)
+    x = torch.cat([key.flatten(), val.flatten()])
+    y = torch.empty_like(x)
+    t_copy = min(graph_time_us(lambda: y.copy_(x), DEV) for _ in range(3))
+    one = torch.ones(1, device=DEV)
+    theirs = _vllm_write()
+    tab = Table(f"KV write by destination pattern ({T:,} tokens)",
+                ["cache / tokens", "slots", "impl", "us (best of 3)", "TB/s", "% of same-size copy", "check"])
+    tab.add("-", "-", "copy (y.copy_(x))", t_copy, moved / t_copy / 1e6, 100.0, "-")
+    lines = []
+    if isinstance(theirs, str):
+        lines.append(f"- vLLM's reshape_and_cache_flash: not measured ({theirs})")
+    for span in (1, 2, 8):
+        kc = torch.zeros(T // BS * span, BS, H, D, dtype=torch.bfloat16, device=DEV)
+        vc = torch.zeros_like(kc)
+        for name, slots in _patterns(kc.shape[0]).items():
+            impls = [("ours", lambda s=slots, k=kc, v=vc: write_kv_cache(key, val, k, v, s))]
+            if not isinstance(theirs, str):
+                impls.append(("vLLM reshape_and_cache_flash",
+                              lambda s=slots, k=kc, v=vc: theirs(key, val, k, v, s, "auto", one, one)))
+            for impl, go in impls:
+                kc.zero_()
+                vc.zero_()
+                go()
+                ok = torch.equal(kc.view(-1, H, D)[slots], key) and torch.equal(vc.view(-1, H, D)[slots], val)
+                t = min(graph_time_us(go, DEV) for _ in range(3))
+                tab.add(f"{span}x", name, impl, t, moved / t / 1e6, 100 * t_copy / t, "ok" if ok else "WRONG")
+                print(tab.rows[-1], flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
+    write_report(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                 f"kv_write_slots_{gpu_slug(DEV)}", "KV write by destination pattern", environment(DEV), lines, [tab])
+
+
+if __name__ == "__main__":
+    main()
