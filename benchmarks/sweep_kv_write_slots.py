@@ -29,6 +29,7 @@ from kvcached.kernels import write_kv_cache  # noqa: E402
 
 DEV = torch.device("cuda")
 T, H, D, BS = 65536, 8, 128, 16
+BYTES_NOTE = "- TB/s counts K and V read and written (the copy's bytes); the slot indices, 8 B a token, are left out"
 
 
 def _patterns(num_blocks: int) -> dict[str, torch.Tensor]:
@@ -59,7 +60,7 @@ def main() -> None:
         raise SystemExit("sweep_kv_write_slots.py times GPU kernels: it needs a CUDA or ROCm GPU.")
     key = torch.randn(T, H, D, dtype=torch.bfloat16, device=DEV)
     val = torch.randn(T, H, D, dtype=torch.bfloat16, device=DEV)
-    moved = 2 * T * H * D * 2 * 2  # read K and V, write them (the slots' 8 bytes a token left out, as in the copy)
+    moved = 2 * T * H * D * 2 * 2
     x = torch.cat([key.flatten(), val.flatten()])
     y = torch.empty_like(x)
     t_copy = min(graph_time_us(lambda: y.copy_(x), DEV) for _ in range(3))
@@ -68,7 +69,7 @@ def main() -> None:
     tab = Table(f"KV write by destination pattern ({T:,} tokens)",
                 ["cache / tokens", "slots", "impl", "us (best of 3)", "TB/s", "% of same-size copy", "check"])
     tab.add("-", "-", "copy (y.copy_(x))", t_copy, moved / t_copy / 1e6, 100.0, "-")
-    lines = []
+    lines = [BYTES_NOTE]
     if isinstance(theirs, str):
         lines.append(f"- vLLM's reshape_and_cache_flash: not measured ({theirs})")
     for span in (1, 2, 8):
