@@ -213,6 +213,25 @@ def test_a_failed_event_leaves_the_waiting_blocks_allocated(manager: KVCacheMana
     assert len(events) == 1 and manager.pending_free_blocks == 2
 
 
+def test_a_stopped_waiter_says_why_and_the_pool_still_drains(manager: KVCacheManager, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    made: list[FakeEvent] = []
+
+    class Unwaitable(FakeEvent):
+        def synchronize(self) -> None:
+            raise RuntimeError("device lost while waiting")
+
+    monkeypatch.setattr(deferred_free, "record_event", lambda device: made.append(Unwaitable()) or made[-1])
+    manager.free(manager.alloc(32))
+    assert _until(lambda: manager._deferred.error is not None)
+    assert "device lost while waiting" in repr(manager._deferred.error)
+    assert _until(lambda: "deferred-free thread stopped" in caplog.text)  # said, not swallowed
+    assert manager.pending_free_blocks == 32  # nothing released under work that may still run
+    made[0].done = True
+    assert manager.available_size() == 64  # the pool's own calls release what has completed
+    assert manager.get_mapped_memory_size() == 0
+
+
 @pytest.mark.parametrize("bad, match", [
     ([10**9], "out of range"), ([-1], "out of range"), (["a"], "double free"), ([True], "double free"),
     ([40], "double free"), (5, "list of ints"),
