@@ -114,15 +114,19 @@ def _decode_steps(out: object) -> list[list]:
     return steps
 
 
+def _scheduler(llm: object) -> object | None:
+    """vLLM's scheduler when the engine core runs in this process, else None (every hook below needs it)."""
+    try:
+        return llm.llm_engine.engine_core.engine_core.scheduler
+    except AttributeError:  # the engine core runs in its own process
+        return None
+
+
 def _watch_peak(llm: object) -> list:
     """The pool's mapped bytes after every allocation (an engine in this process only): a burst's peak can
     fall between two of the sampler's reads."""
     peak: list = [None]
-    try:
-        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-    except AttributeError:  # the engine core runs in its own process
-        return peak
-    kv = getattr(pool, "kv", None)
+    kv = getattr(getattr(getattr(_scheduler(llm), "kv_cache_manager", None), "block_pool", None), "kv", None)
     if kv is None:
         return peak
     alloc = kv.alloc
@@ -140,42 +144,48 @@ def _watch_peak(llm: object) -> list:
 def _pool_state(llm: object) -> dict | None:
     """Who holds the pool's pages (an engine in this process only), for a run whose memory did not fall back:
     blocks requests hold, reservations, cached blocks, frees waiting for the device, and the waiter's health."""
-    try:
-        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-        kv = pool.kv
-    except AttributeError:
+    sched = _scheduler(llm)
+    if sched is None:
         return None
     try:
-        return _holders(pool, kv)
-    except Exception as exc:  # only diagnostics
+        pool = sched.kv_cache_manager.block_pool
+        kv = pool.kv
+        deferred = getattr(kv, "_deferred", None)
+        queue = list(getattr(deferred, "_queue", ()))
+        waiter = getattr(deferred, "_waiter", None)
+        alloc = kv.page_allocator
+        return {
+            "pages_in_use": int(alloc.num_in_use), "pages_reserved": int(alloc.num_reserved),
+            "allocated_blocks": kv.num_allocated_blocks(), "request_blocks": pool._num_in_use(),
+            "held_for_scheduler": pool._held, "try_to_reserve": len(kv.reserved_blocks),
+            "cached_blocks": pool.free_block_queue.num_free_blocks, "pending_free": kv.pending_free_blocks,
+            "pending_batches": len(queue), "pending_done": [bool(e.query()) for e, _ in queue][:8],
+            "waiter_alive": None if waiter is None else waiter.is_alive(),
+            "waiter_error": repr(getattr(deferred, "error", None)),
+            "pages_with_blocks": sorted(p for p, n in pool._page_count.items() if n > 0)[:16],
+        }
+    except Exception as exc:  # only diagnostics (a plain vLLM pool has none of this)
         return {"error": repr(exc)}
 
 
-def _holders(pool: object, kv: object) -> dict:
-    deferred = getattr(kv, "_deferred", None)
-    queue = list(getattr(deferred, "_queue", ()))
-    waiter = getattr(deferred, "_waiter", None)
-    alloc = kv.page_allocator
-    return {
-        "pages_in_use": int(alloc.num_in_use), "pages_reserved": int(alloc.num_reserved),
-        "allocated_blocks": kv.num_allocated_blocks(), "request_blocks": pool._num_in_use(),
-        "held_for_scheduler": pool._held, "try_to_reserve": len(kv.reserved_blocks),
-        "cached_blocks": pool.free_block_queue.num_free_blocks, "pending_free": kv.pending_free_blocks,
-        "pending_batches": len(queue), "pending_done": [bool(e.query()) for e, _ in queue][:8],
-        "waiter_alive": None if waiter is None else waiter.is_alive(),
-        "waiter_error": repr(getattr(deferred, "error", None)),
-        "pages_with_blocks": sorted(p for p, n in pool._page_count.items() if n > 0)[:16],
-    }
+def _late_fall_back(llm: object, sampler: Sampler, idle: int) -> dict:
+    """Who holds the pages now, then whether they go back given more time (a delay) or not (a leak)."""
+    late = {"state": _pool_state(llm)}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10 and sampler.read() != idle:
+        time.sleep(0.05)
+    late.update(used=sampler.read(), waited_s=round(time.monotonic() - t0, 2), state_after=_pool_state(llm))
+    print(f"kvcached: memory did not fall back after the run: {late}", flush=True)
+    return late
 
 
 def _count_preemptions(llm: object) -> list[int]:
     """Preemptions the scheduler makes (an engine in this process only): batches with a preempted and
     recomputed request differ from an unpreempted run's, so their bf16 rounding may differ too."""
     count = [0]
-    try:
-        sched = llm.llm_engine.engine_core.engine_core.scheduler
-        preempt = sched._preempt_request
-    except AttributeError:
+    sched = _scheduler(llm)
+    preempt = getattr(sched, "_preempt_request", None)
+    if preempt is None:
         return count
 
     def counted(*args: object, **kwargs: object) -> object:
@@ -191,11 +201,10 @@ def _record_batches(llm: object) -> list[list] | None:
     request. Two engines that schedule the same batches give their kernels the same shapes (a GEMM's algorithm,
     and so its rounding, follows the batch's token count); preemption counts alone do not show that, since a
     request can also wait for room without being preempted. The caller empties the list per phase."""
-    try:
-        sched = llm.llm_engine.engine_core.engine_core.scheduler
-        schedule = sched.schedule
-    except AttributeError:
+    sched = _scheduler(llm)
+    if sched is None:
         return None
+    schedule = sched.schedule
     steps: list[list] = []
 
     def recorded(*args: object, **kwargs: object) -> object:
@@ -364,13 +373,7 @@ def main() -> None:
     after = sampler.read()
     late = None
     if after is not None and idle_before is not None and after != idle_before:
-        # diagnostics: who holds the pages now, then whether they go back given more time (a delay) or not (a leak)
-        late = {"state": _pool_state(llm)}
-        t_late = time.monotonic()
-        while time.monotonic() - t_late < 10 and sampler.read() != idle_before:
-            time.sleep(0.05)
-        late.update(used=sampler.read(), waited_s=round(time.monotonic() - t_late, 2), state_after=_pool_state(llm))
-        print(f"kvcached: memory did not fall back after the run: {late}", flush=True)
+        late = _late_fall_back(llm, sampler, idle_before)
     backend = None
     cached_blocks = None
     kv_planned = None
