@@ -35,17 +35,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         pass
 
 
-_E2E = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e") + os.sep
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Under pytest-xdist (scripts/dev.sh runs `-n 2 --dist loadgroup`) the end-to-end tests stay in
-    # one worker, in order: their session fixtures (the tiny model, the baseline engine runs) are
-    # made once, and the engines never compete with each other.
-    group = pytest.mark.xdist_group("e2e")
-    for item in items:
-        if str(item.fspath).startswith(_E2E):
-            item.add_marker(group)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU (CUDA or ROCm)")

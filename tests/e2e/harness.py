@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -70,9 +72,17 @@ def engine_env(vllm: str | None = None, **overrides: str | None) -> dict[str, st
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_") and k != "ENABLE_KVCACHED"}
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "1"})
+                "TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "1",
+                # one compute thread: the tiny models run as fast on one core, and two engines side by side (the
+                # test workers) otherwise each spin on both cores (2 cores: a 0.8 s burst took 4.4 s, one thread 1.0)
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
     overlay = str(VLLM_OVERLAYS[vllm]) if vllm else ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (overlay, str(REPO), env.get("PYTHONPATH", "")) if p)
+    if overlay:
+        # vLLM caches what it learns of a model class in one file a class, checked against the hash of that
+        # release's model file: two releases sharing a cache root evict each other's entry, and every miss
+        # inspects the class in a fresh interpreter that imports vLLM again (about 12 s here).
+        env["VLLM_CACHE_ROOT"] = os.path.join(overlay, ".vllm-cache")
     for key, value in overrides.items():
         if value is None:
             env.pop(key, None)
@@ -111,6 +121,21 @@ def finish_engine(proc: subprocess.Popen, timeout: float = 400) -> dict:
 
 def run_engine(spec: dict, env: dict[str, str], timeout: float = 400) -> dict:
     return finish_engine(start_engine(spec, env), timeout)
+
+
+def once_per_session(session_tmp: Path, name: str, make: Callable[[], dict]) -> dict:
+    """``make()`` once per test session, its result shared by pytest-xdist's workers (a session fixture is made
+    in every worker that needs it: an engine baseline would run twice). ``session_tmp``: the worker's basetemp."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make()
+    path = session_tmp.parent / f"{name}.json"  # the parent is the session's, shared by its workers
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits while this one runs it
+        if path.is_file():
+            return json.loads(path.read_text())
+        result = make()
+        path.write_text(json.dumps(result))
+        return result
 
 
 _PROBE_HOLD = """

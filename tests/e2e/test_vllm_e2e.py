@@ -20,6 +20,7 @@ from harness import (  # noqa: E402
     engine_env,
     finish_engine,
     host_budget_is_shared,
+    once_per_session,
     run_engine,
     start_engine,
 )
@@ -36,13 +37,15 @@ SHORT = {"prompts": LONG_PROMPTS[:2], "max_tokens": 32, "dtype": "bfloat16", "pr
 
 
 @pytest.fixture(scope="session")
-def baseline_burst(tiny_model: str) -> dict:
-    return run_engine({"model": tiny_model, **BURST}, engine_env())
+def baseline_burst(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return once_per_session(tmp_path_factory.getbasetemp(), "baseline_burst",
+                            lambda: run_engine({"model": tiny_model, **BURST}, engine_env()))
 
 
 @pytest.fixture(scope="session")
-def baseline_short_bf16(tiny_model: str) -> dict:
-    return run_engine({"model": tiny_model, **SHORT}, engine_env())
+def baseline_short_bf16(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return once_per_session(tmp_path_factory.getbasetemp(), "baseline_short_bf16",
+                            lambda: run_engine({"model": tiny_model, **SHORT}, engine_env()))
 
 
 def _kvcached_env(name: str, vllm: str | None = None, **extra: str) -> dict[str, str]:
@@ -101,8 +104,9 @@ HYBRID = {"prompts": LONG_PROMPTS + BURST_PROMPTS[:40], "max_tokens": 96, "max_n
 
 
 @pytest.fixture(scope="session")
-def baseline_hybrid(tiny_swa_model: str) -> dict:
-    return run_engine({"model": tiny_swa_model, **HYBRID}, engine_env())
+def baseline_hybrid(tiny_swa_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return once_per_session(tmp_path_factory.getbasetemp(), "baseline_hybrid",
+                            lambda: run_engine({"model": tiny_swa_model, **HYBRID}, engine_env()))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "per_layer"])
@@ -139,8 +143,9 @@ MAMBA = {"prompts": BURST_PROMPTS, "max_tokens": 120, "max_num_seqs": 48, "enabl
 
 
 @pytest.fixture(scope="session")
-def baseline_mamba(tiny_mamba_model: str) -> dict:
-    return run_engine({"model": tiny_mamba_model, **MAMBA}, engine_env())
+def baseline_mamba(tiny_mamba_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return once_per_session(tmp_path_factory.getbasetemp(), "baseline_mamba",
+                            lambda: run_engine({"model": tiny_mamba_model, **MAMBA}, engine_env()))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "per_layer"])

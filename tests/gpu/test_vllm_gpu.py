@@ -60,7 +60,8 @@ def _tokens_8b(n: int, length: int) -> list[list[int]]:
 
 
 def _gpu_env(**extra: str | None) -> dict[str, str]:
-    return engine_env(TRITON_INTERPRET=None, VLLM_CPU_KVCACHE_SPACE=None, **extra)
+    cpu_only = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}  # as inherited
+    return engine_env(TRITON_INTERPRET=None, VLLM_CPU_KVCACHE_SPACE=None, **{**cpu_only, **extra})
 
 
 def _kv_env(name: str, **extra: str | None) -> dict[str, str]:
