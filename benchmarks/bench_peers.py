@@ -16,8 +16,8 @@ FACTS.md): this script first runs itself with --sdpa-only --json PATH.
 
 Timing: each (case, impl) 3 times, each a fresh CUDA-graph capture timed by do_bench (median;
 eager do_bench where no graph can be made); the table gives the median of the 3 and their
-min-max (in the interpreter, once). Each output is first checked against a float64 reference on a slice (the first two
-sequences; for long queries their first and last 64 tokens).
+min-max (in the interpreter, once: plumbing only). Each output is first checked against a float64
+reference on a slice (the first two sequences; for long queries their first and last 64 tokens).
 Counting: bytes = K+V of every sequence read once + query in and output out (decode, uneven,
 short, mixed); prefill FLOPs = 4*H*D*n(n+1)/2 per sequence (causal).
 Writes benchmarks/results/peers_<gpu>.md.

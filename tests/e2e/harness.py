@@ -74,7 +74,8 @@ def engine_env(vllm: str | None = None, **overrides: str | None) -> dict[str, st
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "1",
                 # one compute thread: the tiny models run as fast on one core, and two engines side by side (the
-                # test workers) otherwise each spin on both cores (2 cores: a 0.8 s burst took 4.4 s, one thread 1.0)
+                # test workers) otherwise each spin on both cores (2 cores: a burst of 0.8 s alone took 4.4 s beside
+                # another; with one thread each, 1.0 s)
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
     overlay = str(VLLM_OVERLAYS[vllm]) if vllm else ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (overlay, str(REPO), env.get("PYTHONPATH", "")) if p)
