@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "engine_runner.py"
 REPO = HERE.parent.parent
@@ -65,18 +67,26 @@ def check_decode(base: list[list], ours: list[list], tol: float = LOGPROB_TOL, m
     return compared, parted
 
 
-def engine_env(vllm: str | None = None, **overrides: str | None) -> dict[str, str]:
+# What an engine on vLLM's CPU build gets (engine_env(cpu=True)): the kernels in Triton's interpreter, a small CPU KV
+# space, one compute thread: the tiny models run as fast on one core, and two engines side by side (the test
+# workers) otherwise each spin on both cores (2 cores: a burst of 0.8 s alone took 4.4 s beside another; with one
+# thread each, 1.0 s).
+CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TRITON_INTERPRET": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                  "OMP_NUM_THREADS": "1"}
+
+
+def engine_env(vllm: str | None = None, *, cpu: bool = True, **overrides: str | None) -> dict[str, str]:
     """A clean environment for one engine: no inherited KVCACHED_*/ENABLE_KVCACHED, then ``overrides``.
 
-    ``vllm``: run that release from :data:`VLLM_OVERLAYS` instead of the installed one.
+    ``vllm``: run that release from :data:`VLLM_OVERLAYS` instead of the installed one. ``cpu``: the engine runs
+    vLLM's CPU build (:data:`CPU_ENGINE_ENV`); else a GPU engine, with the compiled kernels and inherited threads.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_") and k != "ENABLE_KVCACHED"}
-    env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "TRITON_INTERPRET": "1",
-                # one compute thread: the tiny models run as fast on one core, and two engines side by side (the
-                # test workers) otherwise each spin on both cores (2 cores: a burst of 0.8 s alone took 4.4 s beside
-                # another; with one thread each, 1.0 s)
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+    env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"})
+    if cpu:
+        env.update(CPU_ENGINE_ENV)
+    else:
+        env.pop("TRITON_INTERPRET", None)
     overlay = str(VLLM_OVERLAYS[vllm]) if vllm else ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (overlay, str(REPO), env.get("PYTHONPATH", "")) if p)
     if overlay:
@@ -124,12 +134,12 @@ def run_engine(spec: dict, env: dict[str, str], timeout: float = 400) -> dict:
     return finish_engine(start_engine(spec, env), timeout)
 
 
-def once_per_session(session_tmp: Path, name: str, make: Callable[[], dict]) -> dict:
+def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], dict]) -> dict:
     """``make()`` once per test session, its result shared by pytest-xdist's workers (a session fixture is made
-    in every worker that needs it: an engine baseline would run twice). ``session_tmp``: the worker's basetemp."""
+    in every worker that needs it: an engine baseline would run twice)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return make()
-    path = session_tmp.parent / f"{name}.json"  # the parent is the session's, shared by its workers
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"  # a worker's basetemp is in the session's
     with open(f"{path}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits while this one runs it
         if path.is_file():

@@ -36,16 +36,19 @@ PAGE_GROUP = 2 * 2 * MiB  # 2 layers x one 2 MiB page (kvcached keeps K and V in
 SHORT = {"prompts": LONG_PROMPTS[:2], "max_tokens": 32, "dtype": "bfloat16", "prompt_logprobs": 2, "logprobs": 2}
 
 
+def _baseline(tmp_path_factory: pytest.TempPathFactory, name: str, spec: dict) -> dict:
+    """Plain vLLM's run of spec (no kvcached), once a session whatever the workers."""
+    return once_per_session(tmp_path_factory, name, lambda: run_engine(spec, engine_env()))
+
+
 @pytest.fixture(scope="session")
 def baseline_burst(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return once_per_session(tmp_path_factory.getbasetemp(), "baseline_burst",
-                            lambda: run_engine({"model": tiny_model, **BURST}, engine_env()))
+    return _baseline(tmp_path_factory, "baseline_burst", {"model": tiny_model, **BURST})
 
 
 @pytest.fixture(scope="session")
 def baseline_short_bf16(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return once_per_session(tmp_path_factory.getbasetemp(), "baseline_short_bf16",
-                            lambda: run_engine({"model": tiny_model, **SHORT}, engine_env()))
+    return _baseline(tmp_path_factory, "baseline_short_bf16", {"model": tiny_model, **SHORT})
 
 
 def _kvcached_env(name: str, vllm: str | None = None, **extra: str) -> dict[str, str]:
@@ -105,8 +108,7 @@ HYBRID = {"prompts": LONG_PROMPTS + BURST_PROMPTS[:40], "max_tokens": 96, "max_n
 
 @pytest.fixture(scope="session")
 def baseline_hybrid(tiny_swa_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return once_per_session(tmp_path_factory.getbasetemp(), "baseline_hybrid",
-                            lambda: run_engine({"model": tiny_swa_model, **HYBRID}, engine_env()))
+    return _baseline(tmp_path_factory, "baseline_hybrid", {"model": tiny_swa_model, **HYBRID})
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "per_layer"])
@@ -144,8 +146,7 @@ MAMBA = {"prompts": BURST_PROMPTS, "max_tokens": 120, "max_num_seqs": 48, "enabl
 
 @pytest.fixture(scope="session")
 def baseline_mamba(tiny_mamba_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return once_per_session(tmp_path_factory.getbasetemp(), "baseline_mamba",
-                            lambda: run_engine({"model": tiny_mamba_model, **MAMBA}, engine_env()))
+    return _baseline(tmp_path_factory, "baseline_mamba", {"model": tiny_mamba_model, **MAMBA})
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "per_layer"])

@@ -60,8 +60,7 @@ def _tokens_8b(n: int, length: int) -> list[list[int]]:
 
 
 def _gpu_env(**extra: str | None) -> dict[str, str]:
-    cpu_only = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}  # as inherited
-    return engine_env(TRITON_INTERPRET=None, VLLM_CPU_KVCACHE_SPACE=None, **{**cpu_only, **extra})
+    return engine_env(cpu=False, **extra)
 
 
 def _kv_env(name: str, **extra: str | None) -> dict[str, str]:
