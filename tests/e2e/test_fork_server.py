@@ -1,0 +1,65 @@
+"""The engines' fork server (``engine_runner.fork_server``): a forked engine is a fresh process's equal, and its
+failures and hangs reach the test as a fresh process's would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RUNNER, ForkedEngine, engine_env, finish_engine, spec_arg, start_engine  # noqa: E402
+from tiny_model import LONG_PROMPTS  # noqa: E402
+
+SHORT = {"prompts": LONG_PROMPTS[:2], "max_tokens": 8, "dtype": "bfloat16", "prompt_logprobs": 2}
+
+
+def test_forked_engine_matches_a_fresh_process(tiny_model: str) -> None:
+    """Same tokens and the same teacher-forced logprobs, to the bit; and kvcached, off in the server, is on in
+    the engine whose environment enables it (the plugin reads the engine's settings, not the server's)."""
+    spec = {"model": tiny_model, **SHORT}
+    name = "kvcached_e2e_fork"
+    ours_env = engine_env(ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name, KVCACHED_MAX_CACHED_TOKENS="0")
+    plain, ours = start_engine(spec, engine_env()), start_engine({**spec, "ipc_name": name}, ours_env)
+    assert isinstance(plain, ForkedEngine) and isinstance(ours, ForkedEngine)
+    fresh = subprocess.run([sys.executable, str(RUNNER), spec_arg(spec)], env=engine_env(), capture_output=True,
+                           text=True, timeout=400)
+    line = next((ln for ln in fresh.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, fresh.stdout[-3000:] + fresh.stderr[-3000:]
+    fresh_r = json.loads(line[len("RESULT "):])
+    plain_r, ours_r = finish_engine(plain), finish_engine(ours)
+    assert plain.returncode == 0 and ours.returncode == 0
+    assert plain_r["tokens"] == fresh_r["tokens"] == ours_r["tokens"]
+    assert plain_r["teacher"] == fresh_r["teacher"]
+    assert (plain_r["pool"], fresh_r["pool"], ours_r["pool"]) == ("BlockPool", "BlockPool", "KVCachedBlockPool")
+
+
+def test_forked_engine_failure_is_reported(tmp_path: Path) -> None:
+    proc = start_engine({"model": str(tmp_path / "no_such_model"), **SHORT}, engine_env())
+    assert isinstance(proc, ForkedEngine)
+    with pytest.raises(AssertionError, match="no_such_model") as err:
+        finish_engine(proc)
+    assert "engine exited with 1 and no result" in str(err.value)
+    assert proc.returncode == 1
+
+
+def test_forked_engine_past_its_timeout_is_killed(tmp_path: Path) -> None:
+    proc = start_engine({"model": "unused", **SHORT, "start_after": str(tmp_path / "never")}, engine_env())
+    assert isinstance(proc, ForkedEngine)
+    with pytest.raises(AssertionError, match="did not finish within 2 s"):
+        finish_engine(proc, timeout=2)
+    assert proc.returncode == -9  # SIGKILL, as its server saw it
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+
+
+def test_gpu_engines_are_fresh_processes() -> None:
+    """CUDA must not be set up before a fork: an engine without the CPU build's settings is not forked."""
+    proc = start_engine({"model": "unused"}, engine_env(cpu=False))
+    assert isinstance(proc, subprocess.Popen)
+    proc.kill()
+    proc.communicate()
