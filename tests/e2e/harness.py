@@ -151,10 +151,8 @@ class ForkedEngine:
         return out, None
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _engine_only(key: str) -> bool:

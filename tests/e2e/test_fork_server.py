@@ -3,7 +3,6 @@ failures and hangs reach the test as a fresh process's would."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,13 +11,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RUNNER, ForkedEngine, engine_env, finish_engine, spec_arg, start_engine  # noqa: E402
+from harness import ForkedEngine, engine_env, finish_engine, start_engine  # noqa: E402
 from tiny_model import LONG_PROMPTS  # noqa: E402
 
 SHORT = {"prompts": LONG_PROMPTS[:2], "max_tokens": 8, "dtype": "bfloat16", "prompt_logprobs": 2}
 
 
-def test_forked_engine_matches_a_fresh_process(tiny_model: str) -> None:
+def test_forked_engine_matches_a_fresh_process(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Same tokens and the same teacher-forced logprobs, to the bit; and kvcached, off in the server, is on in
     the engine whose environment enables it (the plugin reads the engine's settings, not the server's)."""
     spec = {"model": tiny_model, **SHORT}
@@ -26,12 +25,10 @@ def test_forked_engine_matches_a_fresh_process(tiny_model: str) -> None:
     ours_env = engine_env(ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name, KVCACHED_MAX_CACHED_TOKENS="0")
     plain, ours = start_engine(spec, engine_env()), start_engine({**spec, "ipc_name": name}, ours_env)
     assert isinstance(plain, ForkedEngine) and isinstance(ours, ForkedEngine)
-    fresh = subprocess.run([sys.executable, str(RUNNER), spec_arg(spec)], env=engine_env(), capture_output=True,
-                           text=True, timeout=400)
-    line = next((ln for ln in fresh.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, fresh.stdout[-3000:] + fresh.stderr[-3000:]
-    fresh_r = json.loads(line[len("RESULT "):])
-    plain_r, ours_r = finish_engine(plain), finish_engine(ours)
+    monkeypatch.setenv("KVCACHED_E2E_FORK", "0")
+    fresh = start_engine(spec, engine_env())
+    assert isinstance(fresh, subprocess.Popen)
+    fresh_r, plain_r, ours_r = finish_engine(fresh), finish_engine(plain), finish_engine(ours)
     assert plain.returncode == 0 and ours.returncode == 0
     assert plain_r["tokens"] == fresh_r["tokens"] == ours_r["tokens"]
     assert plain_r["teacher"] == fresh_r["teacher"]

