@@ -65,6 +65,19 @@ class Sampler:
         except (FileNotFoundError, ValueError):
             return None
 
+    def read_now(self) -> int | None:
+        """:meth:`read` after this process's publisher has published (an engine in this process). It publishes
+        every 0.1 s, and vLLM builds its scheduler, whose pool maps the null block's page, at the end of
+        ``LLM()``: an idle reading taken just after could miss that page (0 B, then the page's bytes after
+        the run; GPU vLLM runs 17 and 22)."""
+        if self.name:
+            from kvcached import mem_info
+
+            publisher = mem_info.publisher()
+            if publisher is not None and publisher.name == self.name:
+                publisher.tick()
+        return self.read()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             used = self.read()
@@ -322,7 +335,8 @@ def main() -> None:
     if spec.get("ready_file"):
         open(spec["ready_file"], "w").close()
     sampler = Sampler(spec.get("ipc_name"))
-    idle_before = sampler.read()
+    idle_published = sampler.read()  # what the segment said then (diagnostics: see Sampler.read_now)
+    idle_before = sampler.read_now()
     idle_state = _pool_state(llm) if idle_before is not None else None  # the holders then, for a late fall-back
     peak = _watch_peak(llm)
     preemptions = _count_preemptions(llm)
@@ -374,7 +388,7 @@ def main() -> None:
         if spec.get("signal_file"):
             open(spec["signal_file"], "w").close()
         time.sleep(spec.get("linger_s", 0.0))
-    after = sampler.read()
+    after = sampler.read_now()
     late = None
     if after is not None and idle_before is not None and after != idle_before:
         late = {"state_idle": idle_state, **_late_fall_back(llm, sampler, idle_before)}
@@ -408,7 +422,8 @@ def main() -> None:
             pass
     print("RESULT " + json.dumps({
         "tokens": outputs[0] if outputs else None, "all_tokens": outputs, "start_s": start_s, "run_s": run_s,
-        "idle_before": idle_before, "after": after, "late": late, "samples": sampler.samples, "phases": phases,
+        "idle_before": idle_before, "idle_published": idle_published, "after": after, "late": late,
+        "samples": sampler.samples, "phases": phases,
         "backend": backend, "pool": pool_kind, "cached_tokens": cached_tokens, "cached_blocks": cached_blocks,
         "teacher": teacher, "decode": decode, "limit": limit, "kv_planned": kv_planned, "peak_used": peak[0],
         "segment_peak": segment_peak, "preemptions": preemptions[0], "kv_groups": kv_groups, "page_size": page_size,

@@ -166,6 +166,10 @@ def runs(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> di
             out[name] = finish_engine(proc, timeout=900)
         except AssertionError as exc:
             out[name] = {"error": str(exc)}
+            continue
+        if out[name].get("idle_published") != out[name].get("idle_before"):
+            print(f"{name}: the idle reading was {out[name]['idle_published']} B as last published, "
+                  f"{out[name]['idle_before']} B after a publish")
     return out
 
 
