@@ -294,14 +294,16 @@ def test_hybrid_models_equal_plain_vllm(runs: dict[str, dict], name: str) -> Non
     assert r["kv_groups"] == base["kv_groups"]
     same = _same_run(base, r, name)
     if kind == "mamba":
-        # The premise needs plain vLLM to reproduce its own tokens: the control runs it again as the kvcached
-        # engines run. Where it ran the same batches and kernels and still parted, exact equality is due from
-        # nobody, and both it and kvcached are held to the near-tie check.
+        # Exact equality is due from nobody here: vLLM's own Mamba2 kernels do not give the same bits from one
+        # process to the next on the same batches with the same kernel choices. The control (plain vLLM again,
+        # started as the kvcached engines are) parted from plain vLLM at near-ties in GPU runs 17, 18, 21 and 23
+        # and agreed in others, and an agreeing control does not make the next engine agree (run 24: the control
+        # agreed, mamba_per_layer parted in 4 of 192 at near-ties, as the control had in run 23). The control and
+        # kvcached are both held to the near-tie check; the memory checks below stay exact.
         twin = _ok(runs, "mamba_twin")
-        if _same_run(base, twin, "mamba_twin") and twin["tokens"] != base["tokens"]:
-            print("mamba_twin: plain vLLM parted from itself on the same batches and kernels")
-            _same_or_near_tie(base, twin, "mamba_twin", same_batches=False)
-            same = False
+        _same_run(base, twin, "mamba_twin")
+        _same_or_near_tie(base, twin, "mamba_twin", same_batches=False)
+        same = False
     _same_or_near_tie(base, r, name, same_batches=same)
     assert max(_used(r)) > r["idle_before"], "mapped memory never rose under the burst"
     assert r["after"] == r["idle_before"], (
