@@ -21,9 +21,10 @@ install() {
   fi
   # byte-code kept: where PYTHONDONTWRITEBYTECODE is set (this image, CI) nothing else writes it, and every
   # engine process would compile vLLM from source again
-  if [ "$UV" != none ]; then
-    local sources=()
-    mapfile -t sources < <("$PY" scripts/uv_args.py)
+  local found sources=()
+  # without pip's sources uv would resolve against PyPI alone (a CUDA torch where pip takes a local CPU wheel)
+  if [ "$UV" != none ] && found=$("$PY" scripts/uv_args.py); then
+    [ -z "$found" ] || mapfile -t sources <<<"$found"
     if "$UV" pip install -q --python "$PY" --compile-bytecode --index-strategy unsafe-best-match "${sources[@]}" "$@"
     then
       return 0

@@ -67,9 +67,9 @@ class Sampler:
 
     def read_now(self) -> int | None:
         """:meth:`read` after this process's publisher has published (an engine in this process). It publishes
-        every 0.1 s, and vLLM builds its scheduler, whose pool maps the null block's page, at the end of
-        ``LLM()``: an idle reading taken just after could miss that page (0 B, then the page's bytes after
-        the run; GPU vLLM runs 17 and 22)."""
+        every 0.1 s (and soon after a pool registers), and vLLM builds its scheduler, whose pool maps the null
+        block's page, late in ``LLM()``: a reading taken right after could miss that page (0 B idle, then the
+        page's bytes after the run: GPU vLLM runs 17 and 22; run 24 caught a segment at 0 B with the page held)."""
         if self.name:
             from kvcached import mem_info
 
