@@ -195,6 +195,30 @@ def _late_fall_back(llm: object, sampler: Sampler, idle: int) -> dict:
     return late
 
 
+def _kv_views(runner: object, layers: int = 4) -> list | None:
+    """Shape, strides, dtype and base-address alignment (bytes mod 1024) of the KV cache tensors of the first
+    ``layers`` layers (Mamba layers: their state tensors), as the model sees them: which specialisation of a
+    Triton kernel runs (alignment, strides divisible by 16) may follow from them."""
+    caches = getattr(runner, "kv_caches", None)
+    if not caches:  # a runner without the list: the layers' own caches (vLLM binds them to every layer)
+        ctx = getattr(getattr(getattr(runner, "vllm_config", None), "compilation_config", None),
+                      "static_forward_context", None) or {}
+        caches = [getattr(layer, "kv_cache", None) for layer in ctx.values() if hasattr(layer, "kv_cache")]
+    if not caches:
+        return None
+
+    def flat(x: object) -> list:
+        if isinstance(x, (list, tuple)):
+            return [t for y in x for t in flat(y)]
+        return [x] if hasattr(x, "stride") else []
+
+    try:
+        return [[[list(t.shape), list(t.stride()), str(t.dtype), int(t.data_ptr()) % 1024] for t in flat(entry)]
+                for entry in list(caches)[:layers]]
+    except Exception as exc:  # only diagnostics
+        return [repr(exc)]
+
+
 def _count_preemptions(llm: object) -> list[int]:
     """Preemptions the scheduler makes (an engine in this process only): batches with a preempted and
     recomputed request differ from an unpreempted run's, so their bf16 rounding may differ too."""
@@ -396,6 +420,7 @@ def main() -> None:
     cached_blocks = None
     kv_planned = None
     kv_groups = None
+    kv_views = None
     try:
         core = llm.llm_engine.engine_core.engine_core
         pool = core.scheduler.kv_cache_manager.block_pool
@@ -406,6 +431,7 @@ def main() -> None:
         worker = core.model_executor.driver_worker.worker  # the uniprocess executor only
         kv_planned = getattr(worker, "available_kv_cache_memory_bytes", None)
         runner = worker.model_runner
+        kv_views = _kv_views(runner)
         backend = runner.attn_groups[0][0].backend.get_name()
     except Exception as exc:  # only diagnostics
         pool_kind = locals().get("pool_kind") or f"unknown ({exc})"
@@ -429,6 +455,7 @@ def main() -> None:
         "segment_peak": segment_peak, "preemptions": preemptions[0], "kv_groups": kv_groups, "page_size": page_size,
         "runner": type(runner).__module__ if backend else None, "autotune": _autotune_choices(),
         "batches": next((p["batches"] for p in phases if "batches" in p), None),
+        "kv_views": kv_views,
     }), flush=True)
 
 
