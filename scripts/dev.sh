@@ -9,26 +9,26 @@ job="${1:-demo}"; shift || true
 PY=.venv/bin/python
 
 UV=""
+UV_SOURCES=()
 # pip install "$@" through uv where it can: it resolves the same versions (pip's package sources passed on by
 # scripts/uv_args.py) and installs and byte-compiles on every core; on this project's 2-core machines torch + vLLM
 # took 27-35 s against pip's 134 s. Anything uv cannot do falls back to pip (KVCACHED_NO_UV=1: pip only).
 install() {
-  if [ -z "$UV" ]; then
+  if [ -z "$UV" ]; then  # once: uv into the venv, and pip's sources
     UV=none
-    if [ "${KVCACHED_NO_UV:-0}" != 1 ] && "$PY" -m pip install -q uv >/dev/null 2>&1 && [ -x .venv/bin/uv ]; then
+    local found
+    # without pip's sources uv would resolve against PyPI alone (a CUDA torch where pip takes a local CPU wheel)
+    if [ "${KVCACHED_NO_UV:-0}" != 1 ] && "$PY" -m pip install -q uv >/dev/null 2>&1 && [ -x .venv/bin/uv ] \
+        && found=$("$PY" scripts/uv_args.py); then
       UV=.venv/bin/uv
+      [ -z "$found" ] || mapfile -t UV_SOURCES <<<"$found"
     fi
   fi
   # byte-code kept: where PYTHONDONTWRITEBYTECODE is set (this image, CI) nothing else writes it, and every
   # engine process would compile vLLM from source again
-  local found sources=()
-  # without pip's sources uv would resolve against PyPI alone (a CUDA torch where pip takes a local CPU wheel)
-  if [ "$UV" != none ] && found=$("$PY" scripts/uv_args.py); then
-    [ -z "$found" ] || mapfile -t sources <<<"$found"
-    if "$UV" pip install -q --python "$PY" --compile-bytecode --index-strategy unsafe-best-match "${sources[@]}" "$@"
-    then
-      return 0
-    fi
+  if [ "$UV" != none ] && "$UV" pip install -q --python "$PY" --compile-bytecode --index-strategy unsafe-best-match \
+      "${UV_SOURCES[@]}" "$@"; then
+    return 0
   fi
   "$PY" -m pip install -q "$@"
 }

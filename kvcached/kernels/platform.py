@@ -16,9 +16,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_interp_fast = False
-
-
 def speed_up_interpreter() -> bool:
     """Stop Triton's interpreter from re-patching ``triton.language`` at every ``@triton.jit`` helper call.
 
@@ -30,15 +27,14 @@ def speed_up_interpreter() -> bool:
     scope instead; every other call patches as before, and the launch still restores everything. A no-op (False)
     where Triton's interpreter lacks the functions this relies on.
     """
-    global _interp_fast
-    if _interp_fast:
-        return True
     try:
         import triton.language as tl
         from triton.runtime import interpreter as interp
     except ImportError:
         return False
     patch = getattr(interp, "_patch_lang", None)
+    if getattr(patch, "kvcached_patch_once", False):
+        return True  # in place already
     scope_cls = getattr(interp, "_LangPatchScope", None)
     is_builtin = getattr(tl.core, "is_builtin", None)
     if patch is None or scope_cls is None or is_builtin is None:
@@ -54,8 +50,8 @@ def speed_up_interpreter() -> bool:
         return patch_once.__wrapped__(fn)
 
     patch_once.__wrapped__ = patch  # type: ignore[attr-defined]  # Triton's own (tests count its calls)
+    patch_once.kvcached_patch_once = True  # type: ignore[attr-defined]
     interp._patch_lang = patch_once
-    _interp_fast = True
     return True
 
 
