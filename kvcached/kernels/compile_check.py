@@ -1,7 +1,10 @@
 """Compile the kernel variants the dispatchers can choose, ahead of time, for GPUs we may not have.
 
-    python -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90          # CI
+    python -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90          # default subsets
     python -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90 --full   # all
+
+(The test job, scripts/dev.sh test, runs it twice: with the venv's Triton, ``--pairwise-on ""``; with Triton 3.6
+from .venv-triton36 on its path, ``--targets gfx942``.)
 
 Each kernel module exposes ``compile_variants(target) -> list[CompileVariant]``; this
 collects them (write_kv, mla_decode, paged_attention and every attention_*.py), compiles
