@@ -328,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         # in FpToFpOpConversion on the H200 machine; gfx942 alone: 258 of 258 OK), and a user's process compiles
         # for its one GPU only.
         ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        for target in dict.fromkeys(t for _, _, t in jobs):
-            mine = [j for j in jobs if j[2] == target]
+        by_target: dict[str, list] = {}
+        for job in jobs:
+            by_target.setdefault(job[2], []).append(job)
+        for mine in by_target.values():
             with cf.ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(mine))), mp_context=ctx) as pool:
                 for r in pool.map(compile_one, *zip(*mine, strict=True), chunksize=1):
                     results.append(r)
