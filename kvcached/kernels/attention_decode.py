@@ -495,21 +495,27 @@ def reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     t = tl.program_id(2)  # grid: (sequences, heads, qmax)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
     qmax = tl.num_programs(2)  # the longest query the decode kernel took
-    if (q_len < 1) | (q_len > qmax) | (t >= q_len):
-        return
     num_heads = tl.num_programs(1)
     part_ml_ptr, meta_ptr, first_ptr, pseq = _workspace(part_ptr, seq, tl.num_programs(0), stream, qmax, num_heads,
                                                         num_splits, HEAD_PAD)
     prow = seq.to(tl.int64) * qmax + t
-    count = tl.load(meta_ptr + prow * num_heads + head).to(tl.int32)
+    # The query's bounds, the row's partial count and its first slot in one round trip to memory, not three in
+    # a row: this kernel is a chain of dependent loads (a row's meta entries exist whatever its query length;
+    # rows the decode kernel did not take return below, before their values are used).
+    q_start = tl.load(qsl_ptr + seq)
+    q_end = tl.load(qsl_ptr + seq + 1)
+    count = tl.load(meta_ptr + prow * num_heads + head)
+    first_at = tl.load(first_ptr + prow * num_heads + head)  # written by the stream-K launch only
+    q_len = q_end - q_start
+    if (q_len < 1) | (q_len > qmax) | (t >= q_len):
+        return
+    count = count.to(tl.int32)
     if count == 0:
         return  # the decode kernel wrote this row's output (its only partial)
     first = count * 0
     if stream != 0:
-        first = tl.load(first_ptr + prow * num_heads + head).to(tl.int32)
+        first = first_at.to(tl.int32)
     # 8k values a load: a batch-1 decode's 40-64 splits merge in one step (its latency is the reduce's time)
     merge_splits(out_ptr, sinks_ptr, part_ptr, part_ml_ptr, q_start + t,
                  ((pseq.to(tl.int64) * qmax + t) * num_heads + head) * num_splits + first, head, count, has_sinks,
@@ -545,25 +551,32 @@ def reduce_rows_kernel(
     seq = tl.program_id(0)
     hslot = tl.program_id(1)
     tb = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
     hc = tl.minimum(group, BLOCK_H)  # heads of the group in one program
     per = BLOCK_H // hc  # query tokens in one program
-    if (q_len < 1) | (q_len > qmax) | (tb * per >= q_len):
-        return  # a query the decode kernel did not take, or a token block past it
-    t, h_mask, heads, tok, d, d_mask, _ = _rows(q_start, q_len, q_len, hslot, tb, group, head_size, BLOCK_H, HEAD_PAD,
-                                                True)
+    # the program's rows as if the query had qmax tokens: their meta entries exist whatever its length, so they
+    # are loaded beside the query's bounds (one round trip to memory instead of three in a row, as in
+    # reduce_kernel) and the rows past its length are masked out afterwards
+    t, rows_ok, heads, _, d, d_mask, _ = _rows(0, qmax, qmax, hslot, tb, group, head_size, BLOCK_H, HEAD_PAD, True)
     num_heads = tl.num_programs(1) // tl.cdiv(group, BLOCK_H) * group
     part_ml_ptr, meta_ptr, first_ptr, pseq = _workspace(part_ptr, seq, tl.num_programs(0), stream, qmax, num_heads,
                                                         num_splits, HEAD_PAD)
     prow = (seq.to(tl.int64) * qmax + t) * num_heads + heads
+    q_start = tl.load(qsl_ptr + seq)
+    q_end = tl.load(qsl_ptr + seq + 1)
+    counts = tl.load(meta_ptr + prow, mask=rows_ok, other=0.0)
+    firsts = tl.load(first_ptr + prow, mask=rows_ok, other=0.0)  # written by the stream-K launch only
+    q_len = q_end - q_start
+    if (q_len < 1) | (q_len > qmax) | (tb * per >= q_len):
+        return  # a query the decode kernel did not take, or a token block past it
+    h_mask = rows_ok & (t < q_len)
+    tok = (q_start + t).to(tl.int64)
     # the rows of one decode program have the same partials (count 0: it wrote the output itself)
-    count = tl.max(tl.load(meta_ptr + prow, mask=h_mask, other=0.0), 0).to(tl.int32)
+    count = tl.max(tl.where(h_mask, counts, 0.0), 0).to(tl.int32)
     if count == 0:
         return
     base = ((pseq.to(tl.int64) * qmax + t) * num_heads + heads) * num_splits  # each row's first partial
     if stream != 0:
-        base += tl.max(tl.load(first_ptr + prow, mask=h_mask, other=0.0), 0).to(tl.int64)
+        base += tl.max(tl.where(h_mask, firsts, 0.0), 0).to(tl.int64)
     # CH partials an iteration, loaded before any is merged (at most 64 fp32 values a thread at 8 warps); one
     # [CH, rows, HEAD_PAD] load instead took sm90 253 registers and 64 KiB of shared memory at 16 x 128
     CH: tl.constexpr = max(1, min(8, 16384 // (BLOCK_H * HEAD_PAD)))
