@@ -134,17 +134,21 @@ def reference(case: Case, q, kc, vc, table, qsl, w: int = 64):
 
 
 def measure(fn, rows, want, what: str, pack=lambda o: o) -> dict:
-    """Check fn's output on the reference rows, then time it 3 times (a fresh graph capture each)."""
-    check = bc.close(pack(fn())[rows], want, what, bad="BAD")
+    """Check fn's output on the reference rows, then time it 3 times (a fresh graph capture each). Off the GPU
+    (the interpreter, whose times mean nothing) the checked call's own time stands, for the plumbing."""
+    t0 = time.perf_counter()
+    got = fn()
+    first = (time.perf_counter() - t0) * 1e6
+    check = bc.close(pack(got)[rows], want, what, bad="BAD")
+    if not GPU:
+        return {"t": first, "lo": first, "hi": first, "check": check, "note": ""}
     times, note = [], ""
-    for _ in range(3 if GPU else 1):  # the interpreter's times mean nothing: once, for the plumbing
-        t = None
-        if GPU:
-            try:
-                t = bc.graph_time_us(fn, DEV)
-            except Exception as exc:  # no graph for this one: its eager time stands, and the row says so
-                note = f"eager (no graph: {bc.err_text(exc)[:80]})"
-        times.append(t if t is not None else bc.time_us(fn, DEV, reps=3 if GPU else 1))
+    for _ in range(3):
+        try:
+            t = bc.graph_time_us(fn, DEV)
+        except Exception as exc:  # no graph for this one: its eager time stands, and the row says so
+            t, note = None, f"eager (no graph: {bc.err_text(exc)[:80]})"
+        times.append(t if t is not None else bc.time_us(fn, DEV, reps=3))
     return {"t": statistics.median(times), "lo": min(times), "hi": max(times), "check": check, "note": note}
 
 
