@@ -226,13 +226,21 @@ def pairwise(variants: list) -> list[int]:
     return _greedy_cover([{(f,) for f in fs} | set(itertools.combinations(fs, 2)) for fs in feats])
 
 
+def _scope(target: str, full: bool, full_on: set[str], pairwise_on: set[str]) -> str:
+    """``"every variant"``, ``"pairwise cover"`` or ``"representative subset"``: what a target gets."""
+    if full or target in full_on:
+        return "every variant"
+    return "pairwise cover" if target in pairwise_on else "representative subset"
+
+
 def scope_indices(variants: list, target: str, *, full: bool = False, full_on: set[str] = frozenset(),
                   pairwise_on: set[str] = frozenset({"gfx942"})) -> list[int]:
     """Which of a target's variants the check compiles: all (``full`` or a ``full_on`` target), a pairwise
     cover (a ``pairwise_on`` target), else a representative subset."""
-    if full or target in full_on:
+    scope = _scope(target, full, full_on, pairwise_on)
+    if scope == "every variant":
         return list(range(len(variants)))
-    return pairwise(variants) if target in pairwise_on else representative(variants)
+    return pairwise(variants) if scope == "pairwise cover" else representative(variants)
 
 
 def _matches(patterns: list[str], text: str) -> bool:
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failures: list[str] = []
     loaded = []
-    jobs: list[tuple[str, int, str]] = []
+    jobs: dict[str, list[tuple[str, int, str]]] = {t: [] for t in targets}  # per target: see the pools below
     per_target_listed = dict.fromkeys(targets, 0)  # variants each target has, compiled or not
     for mod_name in module_names:
         short = mod_name.rsplit(".", 1)[-1]
@@ -310,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                           if any(p in f"{short}:{v.name}" or p == short for p in patterns)]
             else:
                 picked = scope_indices(variants, target, full=args.full, full_on=full_on, pairwise_on=pairwise_on)
-            jobs.extend((mod_name, i, target) for i in picked)
+            jobs[target].extend((mod_name, i, target) for i in picked)
 
     if not patterns:
         listed = {id(v.fn) for m in loaded if hasattr(m, "compile_variants") for t in targets
@@ -328,10 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         # in FpToFpOpConversion on the H200 machine; gfx942 alone: 258 of 258 OK), and a user's process compiles
         # for its one GPU only.
         ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        by_target: dict[str, list] = {}
-        for job in jobs:
-            by_target.setdefault(job[2], []).append(job)
-        for mine in by_target.values():
+        for mine in (m for m in jobs.values() if m):
             with cf.ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(mine))), mp_context=ctx) as pool:
                 for r in pool.map(compile_one, *zip(*mine, strict=True), chunksize=1):
                     results.append(r)
@@ -354,16 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         n = per_target_listed[t]
         if len(rs) == n:
             scope = "every variant"
-        elif patterns:
-            scope = "selected"
         else:
-            scope = "pairwise cover" if t in pairwise_on else "representative subset"
+            scope = "selected" if patterns else _scope(t, args.full, full_on, pairwise_on)
         print(f"  {t:<7} {len(rs):4d} of {n:4d} ({scope}) {sum(r.ms for r in rs) / 1e3:7.1f} s")
     import triton
 
     print(f"compile_check: {len(results) - len(bad)}/{len(results)} variant x target compiles OK in {total:.1f} s "
           f"({args.jobs} processes, Triton {triton.__version__}); {len(bad)} failed; {len(failures)} other problem(s).")
-    if not jobs and not failures:
+    if not any(jobs.values()) and not failures:
         print("compile_check: nothing matched; check --only/--modules.")
         return 1
     return 1 if bad or failures else 0
