@@ -15,8 +15,9 @@ prefill cases only, in a child process that never imports vLLM (vLLM's import sl
 FACTS.md): this script first runs itself with --sdpa-only --json PATH.
 
 Timing: each (case, impl) 3 times, each a fresh CUDA-graph capture timed by do_bench (median;
-eager do_bench where no graph can be made); the table gives the median of the 3 and their
-min-max (in the interpreter, once: plumbing only). Each output is first checked against a float64
+eager do_bench where no graph can be made), a case's implementations in turn (``time_in_turn``: the GPU's
+clock falls at its power cap); the table gives the median of the 3 and their min-max (in the interpreter,
+once: plumbing only). Each output is first checked against a float64
 reference on a slice (the first two sequences; for long queries their first and last 64 tokens).
 Counting: bytes = K+V of every sequence read once + query in and output out (decode, uneven,
 short, mixed); prefill FLOPs = 4*H*D*n(n+1)/2 per sequence (causal).
@@ -136,20 +137,38 @@ def reference(case: Case, q, kc, vc, table, qsl, w: int = 64):
 def measure(fn, rows, want, what: str, pack=lambda o: o) -> dict:
     """Check fn's output on the reference rows, then time it 3 times (a fresh graph capture each). Off the GPU
     (the interpreter, whose times mean nothing) the checked call's own time stands, for the plumbing."""
+    res = check_call(fn, rows, want, what, pack)
+    return time_in_turn([(res, fn)])[0]
+
+
+def check_call(fn, rows, want, what: str, pack=lambda o: o) -> dict:
+    """fn's output checked on the reference rows; the call's own time stands until :func:`time_in_turn`."""
     t0 = time.perf_counter()
     got = fn()
     first = (time.perf_counter() - t0) * 1e6
-    check = bc.close(pack(got)[rows], want, what, bad="BAD")
+    return {"t": first, "lo": first, "hi": first, "check": bc.close(pack(got)[rows], want, what, bad="BAD"),
+            "note": ""}
+
+
+def time_in_turn(calls: list[tuple[dict, object]]) -> list[dict]:
+    """Each checked call timed 3 times (a fresh graph capture each), the calls in turn: under sustained load an
+    H200 reaches its 700 W cap within a second and its SM clock falls (1980 -> 1200-1700 MHz; throttle reason
+    SW power cap, benchmarks/results/kv_offsets_h200.md), which slows a kernel bound by its instructions and not
+    one bound by memory. Timed one after another, each implementation met another point of that descent; in turn,
+    every one of a case's implementations sees the same load before it. Off the GPU the checked times stand."""
     if not GPU:
-        return {"t": first, "lo": first, "hi": first, "check": check, "note": ""}
-    times, note = [], ""
+        return [res for res, _ in calls]
+    times: list[list[float]] = [[] for _ in calls]
+    notes = ["" for _ in calls]
     for _ in range(3):
-        try:
-            t = bc.graph_time_us(fn, DEV)
-        except Exception as exc:  # no graph for this one: its eager time stands, and the row says so
-            t, note = None, f"eager (no graph: {bc.err_text(exc)[:80]})"
-        times.append(t if t is not None else bc.time_us(fn, DEV, reps=3))
-    return {"t": statistics.median(times), "lo": min(times), "hi": max(times), "check": check, "note": note}
+        for i, (_, fn) in enumerate(calls):
+            try:
+                t = bc.graph_time_us(fn, DEV)
+            except Exception as exc:  # no graph for this one: its eager time stands, and the row says so
+                t, notes[i] = None, f"eager (no graph: {bc.err_text(exc)[:80]})"
+            times[i].append(t if t is not None else bc.time_us(fn, DEV, reps=3))
+    return [res | {"t": statistics.median(ts), "lo": min(ts), "hi": max(ts), "note": note}
+            for (res, _), ts, note in zip(calls, times, notes, strict=True)]
 
 
 # -- dense SDPA (its own process: no vLLM there) --------------------------------------------------
@@ -218,24 +237,30 @@ def run_case(case: Case, peers: dict) -> list[dict]:
 
     # the peers on contiguous views come last: a fault there cannot cost the other rows
     order = [("ours", lay) for lay in views] + [(p, lay) for lay in views for p in peers]
-    for impl, layout in order:
+    placed: list[tuple[int, dict]] = []  # (place in the order, row): the table keeps this order
+    checked: list[tuple[int, dict, object, str]] = []
+    for i, (impl, layout) in enumerate(order):
         peer = peers.get(impl)
         row = {"impl": impl, "layout": LAYOUTS[layout]}
         if isinstance(peer, Exception):
             if layout is Layout.PER_LAYER:
-                out.append(row | {"layout": "-", "check": f"absent: {bc.err_text(peer)[:100]}", "note": ""})
+                placed.append((i, row | {"layout": "-", "check": f"absent: {bc.err_text(peer)[:100]}", "note": ""}))
             continue
         k, v, note = views[layout]
         try:
             fn = ours(k, v) if impl == "ours" else bc.peer_call(impl, peer, q, k, v, table, lens, qsl, max_q, max_k)
-            res = measure(fn, rows, want, f"{impl} {row['layout']} {case.name}")
-            res["note"] = "; ".join(x for x in (note, res["note"]) if x)
-            out.append(row | res)
+            checked.append((i, row | check_call(fn, rows, want, f"{impl} {row['layout']} {case.name}"), fn, note))
         except Exception as exc:  # a failing implementation is its row, not the end of the run
-            out.append(row | {"check": "ERROR", "note": bc.err_text(exc)})
-        fn = None
-        bc.free_memory(DEV)
-    return out
+            placed.append((i, row | {"check": "ERROR", "note": bc.err_text(exc)}))
+    try:
+        timed = time_in_turn([(res, fn) for _, res, fn, _ in checked])
+    except Exception as exc:  # a fault while timing (a peer's graph): the case's rows say so, the run goes on
+        timed = [res | {"check": "ERROR", "note": bc.err_text(exc)} for _, res, _, _ in checked]
+    for res, (i, _, _, note) in zip(timed, checked, strict=True):
+        placed.append((i, res | {"note": "; ".join(x for x in (note, res["note"]) if x)}))
+    checked.clear()
+    bc.free_memory(DEV)
+    return out + [row for _, row in sorted(placed, key=lambda p: p[0])]
 
 
 def sdpa_row(case: Case, sdpa: dict) -> dict:
@@ -252,8 +277,9 @@ def tables(results: list[tuple[Case, list[dict]]]) -> tuple[bc.Table, bc.Table]:
     tab = bc.Table(f"Paged attention and its peers: bf16, {Q_HEADS} query / {KV_HEADS} KV heads, head {HEAD}, block "
                 f"{BLOCK}, causal", ["row", "impl", "layout", "time us (median of 3)", "spread us", "TB/s or TFLOP/s",
                                      "FA3 time / this time", "vLLM Triton time / this time", "check vs fp64", "note"])
-    tab.notes.append("time: do_bench (median) of a CUDA-graph replay, 3 fresh captures; spread: their min-max. "
-                     "Ratios use the peers' per-layer times: above 1, this row is faster.")
+    tab.notes.append("time: do_bench (median) of a CUDA-graph replay, 3 fresh captures, a case's implementations "
+                     "in turn; spread: their min-max. Ratios use the peers' per-layer times: above 1, this row is "
+                     "faster.")
     summ = bc.Table("Summary", ["row", "ours best layout", "ours best / FA3 (time)", "ours best / vLLM Triton (time)",
                              "ours contiguous vs per-layer (time)"])
     summ.notes.append("below 1: ours is faster; contiguous vs per-layer: + is slower on the contiguous layout.")

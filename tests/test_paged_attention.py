@@ -404,6 +404,33 @@ def test_strided_out_and_query():
     assert torch.isnan(wide_out[:, :2]).all() and torch.isnan(wide_out[:, 6:]).all()
 
 
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("q_lens,seq_lens", [(MIXED_Q, MIXED_S), ([4, 3, 4], [40, 3, 29])], ids=["mixed", "short"])
+def test_v_cache_with_strides_of_its_own(layout, q_lens, seq_lens, monkeypatch):
+    """Only head_size's stride must be 1: a V cache whose block and token strides differ from K's is read through
+    its own strides (the kernels' ``SAME_KV`` False compile), one that shares K's through K's offsets."""
+    pa = importlib.import_module("kvcached.kernels.paged_attention")  # the package re-exports the function
+    seen = []
+    real_select = pa.select
+    monkeypatch.setattr(pa, "select", lambda *a, **kw: seen.append(kw["same_kv"]) or real_select(*a, **kw))
+    gen = torch.Generator().manual_seed(13)
+    k, v, _, _ = paged_kv_case(layout=layout, style="flash_attn", num_kv_heads=1, head_size=32, block_size=16,
+                               dtype=torch.float16, num_blocks=NUM_BLOCKS, generator=gen, device=DEVICE)
+    n, bs, h, d = v.shape
+    wide = torch.randn(n, bs + 3, h + 1, d, generator=gen).to(DEVICE, torch.float16)
+    v_own = wide[:, 2:2 + bs, 1:1 + h]
+    v_own.copy_(v)
+    assert v_own.stride()[:2] != k.stride()[:2] and v.stride()[:2] == k.stride()[:2]
+    # group 8: the short queries (4 tokens x 8 heads) take a 32- or 64-row tile, the mixed batch a prefill too
+    query, bt, sl, qsl = random_batch(q_lens, seq_lens, 8, 32, 16, n, torch.float16, generator=gen, device=DEVICE)
+    ref = paged_attention_ref(query, k, v, bt, sl, qsl)
+    for vc, same in ((v_own, False), (v, True)):
+        seen.clear()
+        out = paged_attention(query, k, vc, bt, sl, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        assert seen == [same]
+        assert relative_error(out, ref) < TOL[torch.float16]
+
 def test_default_out_allocated():
     gen = torch.Generator().manual_seed(10)
     k, v, _, _ = paged_kv_case(layout="contiguous", style="flash_attn", num_kv_heads=1, head_size=32, block_size=16,

@@ -208,14 +208,18 @@ def test_compile_variants_per_target(target):
     # query dtype x 4 tiles: a row at a time, and a decode program's 16, 32 or 64 rows at a time). Hopper-class
     # targets have no 32-row tile: their short queries take the 64-row one (paged_attention.decode_rows), and
     # their plain 128-tile prefill (head 128, and 80/96 masked) over a 16-bit cache has a second compile for
-    # prompts of at most ONE_RUN_KEYS keys (attention_config.prefill_tile).
+    # prompts of at most ONE_RUN_KEYS keys (attention_config.prefill_tile). Every decode and prefill compile comes
+    # twice: V's block and token strides K's (SAME_KV) or its own.
     hip, big_smem = _target_info(target)
     hopper = big_smem and not hip
     rows = {16, 64} if hopper else {16, 32, 64}
     pairs = 4 if target in ("sm90", "gfx942", "gfx950") else 2
     one_run = 2 * 2 if hopper else 0
-    assert len(variants) == pairs * 5 * (len(rows) + 2) * 2 + 2 * 4 * (len(rows) + 1) + one_run
-    assert len([v for v in variants if v.constexprs.get("ONE_RUN")]) == one_run
+    assert len(variants) == (pairs * 5 * (len(rows) + 2) * 2 + one_run) * 2 + 2 * 4 * (len(rows) + 1)
+    assert len([v for v in variants if v.constexprs.get("ONE_RUN")]) == one_run * 2
+    own = {v.name.replace("-kvstrides", ""): v.constexprs for v in variants if v.constexprs.get("SAME_KV") is False}
+    same = {v.name: v.constexprs for v in variants if v.constexprs.get("SAME_KV")}
+    assert own.keys() == same.keys() and all(own[n] | {"SAME_KV": True} == same[n] for n in same)
     assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel" and v.constexprs["STREAM"]} \
         == {16}
     assert {v.constexprs["BLOCK_H"] for v in variants if v.fn.__name__ == "decode_kernel"} == rows
@@ -277,6 +281,9 @@ def test_every_dispatcher_choice_is_compiled(target):
         for kdt in [qdt, *fp8]:
             for head in HEAD_SIZES:
                 for block in BLOCK_SIZES:
+                    # V's strides K's or not: the block size is a run-time value, so its last one takes the
+                    # other addressing (both meet every other axis without doubling the walk)
+                    same_kv = block != BLOCK_SIZES[-1]
                     for group in (1, 7, 33):
                         for feats in _feature_sets():
                             for max_query_len in (1, 4, 16, 300):
@@ -290,7 +297,7 @@ def test_every_dispatcher_choice_is_compiled(target):
                                     plan = select(qdt, kdt, head, block, group, max_query_len=max_query_len,
                                                   num_splits=num_splits, fused=fused, hip=hip, big_smem=big_smem,
                                                   interp=False, stream=stream, merge_rows=rows, short_keys=short,
-                                                  **feats)
+                                                  same_kv=same_kv, **feats)
                                     calls += 1
                                     kinds = [v.fn.__name__ for v in plan]
                                     assert kinds[0] == "decode_kernel"
@@ -301,6 +308,8 @@ def test_every_dispatcher_choice_is_compiled(target):
                                     short = SHORT_MAX if feats["causal"] else 1
                                     assert ("prefill_kernel" in kinds) == (max_query_len > short)
                                     for v in plan:
+                                        if "SAME_KV" in v.constexprs:
+                                            assert v.constexprs["SAME_KV"] == same_kv, v.name
                                         key = variant_key(v)
                                         assert key in listed, f"{target}: {v.name} {v.constexprs} not listed"
                                         chosen.add(key)

@@ -61,12 +61,15 @@ def attn_tile(
     FEATURES: tl.constexpr,
     FP8_KV: tl.constexpr,
     INTERP: tl.constexpr,
+    SAME_KV: tl.constexpr,
     blk_ids=None,
     mask_from=None,
 ):
     """``k_ptr``/``v_ptr`` already point at the KV head; ``bt_row_ptr`` at the block-table row; ``blk_ids``: the
     tile's block ids when the caller has loaded them (else they are loaded here). ``mask_from`` (plain causal
     compile, ``MASK`` False, ``blk_ids`` given): tiles from this key on get the causal mask, at run time.
+
+    ``SAME_KV``: V's block and token strides equal K's (``stride_vb``/``stride_vt`` are then not read).
 
     ``MASK`` False means every key of the tile is visible to every row and lies
     below ``key_hi`` (interior tiles): no per-key masks at all. Without ``FEATURES``
@@ -83,8 +86,16 @@ def attn_tile(
     else:
         blk = tl.load(bt_row_ptr + (keys >> bs_shift)).to(tl.int64)
     off = (keys & ((1 << bs_shift) - 1)).to(tl.int64)
-    k_rows = k_ptr + blk * stride_kb + off * stride_kt
-    v_rows = v_ptr + blk * stride_vb + off * stride_vt
+    row = blk * stride_kb + off * stride_kt
+    k_rows = k_ptr + row
+    if SAME_KV:
+        # V's block and token strides are K's (the host checked): one 64-bit offset per key serves both. Those
+        # offsets are most of the short-query tile's integer work (sm90, Triton 3.6: 636 -> 553 instructions an
+        # iteration); H200 at its power cap, 64 x 8k x q16 566 -> 535 us, 8 x 1k prefill 234 -> 227
+        # (benchmarks/results/kv_offsets_h200.md)
+        v_rows = v_ptr + row
+    else:
+        v_rows = v_ptr + blk * stride_vb + off * stride_vt
     if MASK:
         if PAD_D:
             kv_mask = in_range[:, None] & d_mask[None, :]
@@ -154,7 +165,7 @@ def _tile_run(
     acc, m_i, l_i, q, run_lo, run_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
     stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
     BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr, FEATURES: tl.constexpr, FP8_KV: tl.constexpr,
-    BT_AHEAD: tl.constexpr, INTERP: tl.constexpr, mask_from=None,
+    BT_AHEAD: tl.constexpr, INTERP: tl.constexpr, SAME_KV: tl.constexpr, mask_from=None,
 ):
     """:func:`attn_tile` over the tiles from ``run_lo`` to ``run_hi`` (keys past ``hi`` masked when ``MASK``;
     ``mask_from``: see :func:`attn_tile`, with ``BT_AHEAD`` only).
@@ -176,14 +187,14 @@ def _tile_run(
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
                 stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, MASK, True,
-                FEATURES, FP8_KV, INTERP, blk, mask_from,
+                FEATURES, FP8_KV, INTERP, SAME_KV, blk, mask_from,
             )
     else:
         for start in range(run_lo, run_hi, BLOCK_N):
             acc, m_i, l_i = attn_tile(
                 acc, m_i, l_i, q, start, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt, stride_vb,
                 stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, MASK, True,
-                FEATURES, FP8_KV, INTERP,
+                FEATURES, FP8_KV, INTERP, SAME_KV,
             )
     return acc, m_i, l_i
 
@@ -193,7 +204,7 @@ def attn_tiles(
     acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
     stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask,
     BLOCK_N: tl.constexpr, PAD_D: tl.constexpr, LEAD: tl.constexpr, FEATURES: tl.constexpr, FP8_KV: tl.constexpr,
-    INTERP: tl.constexpr, BT_AHEAD: tl.constexpr = False, ONE_RUN: tl.constexpr = False,
+    INTERP: tl.constexpr, SAME_KV: tl.constexpr, BT_AHEAD: tl.constexpr = False, ONE_RUN: tl.constexpr = False,
 ):
     """:func:`attn_tile` over keys ``[lo, hi)`` a tile at a time: the tiles from ``full_lo`` to ``full_hi`` whole
     for every row (no masks), the others masked. ``LEAD`` False: there are no masked tiles before ``full_lo``
@@ -204,7 +215,7 @@ def attn_tiles(
         acc, m_i, l_i = _tile_run(
             acc, m_i, l_i, q, lo, full_lo, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
             stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True,
-            FEATURES, FP8_KV, BT_AHEAD, INTERP,
+            FEATURES, FP8_KV, BT_AHEAD, INTERP, SAME_KV,
         )
     if ONE_RUN:
         tl.static_assert(BT_AHEAD and not FEATURES, "ONE_RUN: the plain causal compile with BT_AHEAD only")
@@ -216,12 +227,12 @@ def attn_tiles(
     acc, m_i, l_i = _tile_run(
         acc, m_i, l_i, q, full_lo, run_hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
         stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False,
-        FEATURES, FP8_KV, BT_AHEAD, INTERP, mask_from,
+        FEATURES, FP8_KV, BT_AHEAD, INTERP, SAME_KV, mask_from,
     )
     if not ONE_RUN:
         acc, m_i, l_i = _tile_run(
             acc, m_i, l_i, q, full_hi, hi, hi, q_pos, slope, k_ptr, v_ptr, bt_row_ptr, stride_kb, stride_kt,
             stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True,
-            FEATURES, FP8_KV, BT_AHEAD, INTERP,
+            FEATURES, FP8_KV, BT_AHEAD, INTERP, SAME_KV,
         )
     return acc, m_i, l_i

@@ -21,7 +21,7 @@ head slot instead, which share the batch's key tiles equally in sequence order; 
 writes a partial for every sequence it touches and the same merge combines them. Group size,
 block size, split count and every feature are run-time values, and so is the head
 size within its power-of-two tile (80 and 96 share the 128 tile, ``PAD_D``), so one
-compile per (dtypes, tile, ``FEATURES``) serves every shape.
+compile per (dtypes, tile, ``FEATURES``, ``SAME_KV``: V's strides are K's) serves every shape.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def decode_kernel(
     STREAM: tl.constexpr,
     BT_AHEAD: tl.constexpr,
     INTERP: tl.constexpr,
+    SAME_KV: tl.constexpr,
 ):
     hslot = tl.program_id(1)  # kv_head * chunks + chunk
     if STREAM:
@@ -135,7 +136,7 @@ def decode_kernel(
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, seq, hslot,
                     seq_len - q_len, lo + (cur - s) * BLOCK_N, tl.minimum(lo + (end - s) * BLOCK_N, seq_len), 0, 1,
                     h_mask, heads, tok, d, d_mask, q_pos, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, False,
-                    BT_AHEAD, INTERP,
+                    BT_AHEAD, INTERP, SAME_KV,
                 )
                 _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, group, num_splits, fused,
                         qmax, tblocks, head_size, stride_ot, stride_oh, seq, stream_seqs, hslot, 0, q_start, q_len,
@@ -150,7 +151,7 @@ def decode_kernel(
                  group, bs_shift, num_splits, balance, waves, run_floor, fused, qmax, tblocks, tb_inner, head_size,
                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ot,
                  stride_oh, stride_bt, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, BT_AHEAD,
-                 INTERP)
+                 INTERP, SAME_KV)
 
 
 @triton.jit
@@ -160,7 +161,7 @@ def _columns(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_pt
              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
              BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
              FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, BT_AHEAD: tl.constexpr,
-             INTERP: tl.constexpr):
+             INTERP: tl.constexpr, SAME_KV: tl.constexpr):
     """The launch of a column of up to ``num_splits`` programs per (sequence, head slot, token block)."""
     hslot = tl.program_id(1)
     if tb_inner != 0:
@@ -234,6 +235,7 @@ def _columns(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, qsl_pt
         window, causal, has_alibi, has_sinks, group, bs_shift, num_splits, stride_qt, stride_qh, stride_kb, stride_kt,
         stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, seq, hslot, ctx + t0, lo, hi, split, parts, h_mask,
         heads, tok, d, d_mask, q_pos, BLOCK_H, HEAD_PAD, PAD_D, BLOCK_N, FEATURES, FP8_KV, UNMASKED, BT_AHEAD, INTERP,
+        SAME_KV,
     )
     _finish(out_ptr, sinks_ptr, part_ptr, lock_ptr, acc, m_i, l_i, has_sinks, group, num_splits, fused, qmax, tblocks,
             head_size, stride_ot, stride_oh, seq, num_seqs, hslot, tb, q_start, q_len, split, parts, 0, split == 0, t,
@@ -297,7 +299,7 @@ def _keys(q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_pt
           h_mask, heads, tok, d, d_mask, q_pos,
           BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
           FEATURES: tl.constexpr, FP8_KV: tl.constexpr, UNMASKED: tl.constexpr, BT_AHEAD: tl.constexpr,
-          INTERP: tl.constexpr):
+          INTERP: tl.constexpr, SAME_KV: tl.constexpr):
     """Run ``run`` of ``runs`` (equal runs of whole tiles) of keys ``[lo, hi)`` for the rows: (acc, max, sum).
     ``first_pos``: the first row's position."""
     q = tl.load(
@@ -336,7 +338,7 @@ def _keys(q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_pt
     acc, m_i, l_i = attn_tiles(
         acc, m_i, l_i, q, lo, lo, full_hi, hi, q_pos, slope, k_head, v_head, bt_row, stride_kb, stride_kt, stride_vb,
         stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, False, FEATURES, FP8_KV,
-        INTERP, BT_AHEAD,
+        INTERP, SAME_KV, BT_AHEAD,
     )
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr)

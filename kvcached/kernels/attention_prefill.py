@@ -31,7 +31,8 @@ mask, one K/V pipeline to fill instead of two (short prompts:
 Group size, block size and the head size within its power-of-two tile (``PAD_D``:
 80 and 96 on the 128 tile) are run-time values. ``FEATURES`` False is the plain
 causal kernel; ``FEATURES`` True reads ``causal``, ``window`` (0 = off), ``softcap``
-(0 = off), ``has_alibi`` and ``has_sinks`` at run time.
+(0 = off), ``has_alibi`` and ``has_sinks`` at run time. ``SAME_KV``: V's block and token strides are K's, and
+one offset per key addresses both (``attention_common.attn_tile``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def prefill_kernel(
     BT_AHEAD: tl.constexpr,
     ONE_RUN: tl.constexpr,
     INTERP: tl.constexpr,
+    SAME_KV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     slot = tl.num_programs(0) // head_slots - 1 - pid // head_slots
@@ -175,7 +177,7 @@ def prefill_kernel(
     acc, m_i, l_i = attn_tiles(
         acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_head, v_head, bt_row, stride_kb, stride_kt,
         stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, FEATURES,
-        FP8_KV, INTERP, BT_AHEAD, ONE_RUN,
+        FP8_KV, INTERP, SAME_KV, BT_AHEAD, ONE_RUN,
     )
 
     if FP8_KV:

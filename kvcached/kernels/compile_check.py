@@ -119,31 +119,36 @@ def _resources_hip(asm: str) -> str:
             f"spills={grab('.vgpr_spill_count:')} scratch={grab('; ScratchSize:')}")
 
 
-def compile_one(module: str, index: int, target: str) -> Result:
+def compile_variant(v, target: str):
+    """``triton.compile`` of one variant for a target name, as the kernel runs (the compiled kernel: ``.asm``)."""
     import triton
     from triton.compiler import ASTSource
 
+    fn = v.fn
+    arg_names = list(fn.arg_names)
+    # Mirror Triton's run-time specialisation of the common case: torch allocations are 16-byte
+    # aligned and KV strides are multiples of 16 elements, and without these marks no load is
+    # vectorised or pipelined (the compile would not be the one that runs). A kernel may name
+    # other ints that are always multiples of 16 in ``divisible_by_16`` (e.g. head sizes).
+    always16 = set(getattr(fn, "divisible_by_16", ()))
+    attrs = {
+        (arg_names.index(k),): [["tt.divisibility", 16]]
+        for k, t in v.signature.items()
+        if t.startswith("*") or ((k.startswith("stride_") or k in always16) and t in ("i32", "i64"))
+    }
+    src = ASTSource(fn=fn, signature=dict(v.signature), constexprs=dict(v.constexprs), attrs=attrs)
+    opts = dict(v.options)
+    if not target.startswith("gfx"):
+        opts.pop("waves_per_eu", None)
+    return triton.compile(src, target=gpu_target(target), options=opts)
+
+
+def compile_one(module: str, index: int, target: str) -> Result:
     v = _variants(module, target)[index]
     name = f"{module.rsplit('.', 1)[-1]}:{v.name}"
     t0 = time.perf_counter()
     try:
-        fn = v.fn
-        arg_names = list(fn.arg_names)
-        # Mirror Triton's run-time specialisation of the common case: torch allocations are 16-byte
-        # aligned and KV strides are multiples of 16 elements, and without these marks no load is
-        # vectorised or pipelined (the compile would not be the one that runs). A kernel may name
-        # other ints that are always multiples of 16 in ``divisible_by_16`` (e.g. head sizes).
-        always16 = set(getattr(fn, "divisible_by_16", ()))
-        attrs = {
-            (arg_names.index(k),): [["tt.divisibility", 16]]
-            for k, t in v.signature.items()
-            if t.startswith("*") or ((k.startswith("stride_") or k in always16) and t in ("i32", "i64"))
-        }
-        src = ASTSource(fn=fn, signature=dict(v.signature), constexprs=dict(v.constexprs), attrs=attrs)
-        opts = dict(v.options)
-        if not target.startswith("gfx"):
-            opts.pop("waves_per_eu", None)
-        compiled = triton.compile(src, target=gpu_target(target), options=opts)
+        compiled = compile_variant(v, target)
         asm = compiled.asm
         info = _resources_hip(asm.get("amdgcn", "")) if target.startswith("gfx") else _resources_cuda(asm["cubin"])
         shared = getattr(compiled.metadata, "shared", None)

@@ -248,14 +248,15 @@ def _validate(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, m
 def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_size: int, group: int, *,
            causal: bool, window: int, softcap: float, alibi: bool, sinks: bool, max_query_len: int, num_splits: int,
            fused: bool, hip: bool, big_smem: bool, interp: bool, stream: bool = False,
-           merge_rows: bool = False, short_keys: bool = False) -> tuple:
+           merge_rows: bool = False, short_keys: bool = False, same_kv: bool = True) -> tuple:
     """The dispatcher: the kernels (with constexprs and options) one call launches, in order.
 
     Everything the dispatcher sees goes in; a tuple of ``CompileVariant`` comes out (decode,
     then the split reduce when ``num_splits > 1`` and not ``fused``, then prefill when
     ``max_query_len > 1``); ``stream``: the decode kernel's stream-K launch (its own compile); ``merge_rows``:
     the split reduce a decode program's rows at a time (``reduce_rows_kernel``), not a row at a time;
-    ``short_keys``: no sequence has more keys than ``attention_config.ONE_RUN_KEYS`` (the prefill's tile choice).
+    ``short_keys``: no sequence has more keys than ``attention_config.ONE_RUN_KEYS`` (the prefill's tile choice);
+    ``same_kv``: the V cache's block and token strides equal the K cache's (one address computation serves both).
     Block size, group size, split count, feature values and the head
     size within its power-of-two tile are run-time kernel arguments: only the dtypes, the
     tile (32, 64, 128, masked 128 for 80/96, 256) and "any feature" pick a compile.
@@ -264,7 +265,7 @@ def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_si
     # cached per inputs and override knobs: one dict lookup per call (host time matters at batch 1)
     return _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks,
                    max_query_len, num_splits, fused, hip, big_smem, interp, stream, merge_rows, short_keys,
-                   cfg.overrides_key())
+                   same_kv, cfg.overrides_key())
 
 
 def short_max(causal: bool) -> int:
@@ -293,7 +294,7 @@ def decode_rows(group: int, max_query_len: int, causal: bool, hip: bool = False,
 
 @functools.lru_cache(maxsize=4096)
 def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, softcap, alibi, sinks, max_query_len,
-            num_splits, fused, hip, big_smem, interp, stream, merge_rows, short_keys, overrides) -> tuple:
+            num_splits, fused, hip, big_smem, interp, stream, merge_rows, short_keys, same_kv, overrides) -> tuple:
     qt, kt = _TRITON_DTYPE[q_dtype], _TRITON_DTYPE[kv_dtype]
     head_pad = next_pow2(head_size)
     fp8 = kv_dtype != q_dtype
@@ -303,6 +304,7 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     feat = "-features" if features else ""
     pad = head_pad != head_size
     tile = f"d{head_pad}{'-masked' if pad else ''}"  # 80 and 96 share the masked 128 tile
+    kvs = "" if same_kv else "-kvstrides"  # V's strides differ from K's: each gets its own addresses
     out = []
     dc = cfg.decode_tile(head_pad, itemsize, hip, interp)
     block_h = decode_rows(group, max_query_len, causal, hip, big_smem)
@@ -310,10 +312,10 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
     const = {"BLOCK_H": block_h, "HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_N": dc.block_n,
              "FEATURES": decode_features, "FP8_KV": fp8,
              "UNMASKED": block_h == SHORT_ROWS[-1] and not decode_features and not hip, "STREAM": stream,
-             "BT_AHEAD": cfg.decode_bt_ahead(block_h, hip, big_smem, interp), "INTERP": interp}
+             "BT_AHEAD": cfg.decode_bt_ahead(block_h, hip, big_smem, interp), "INTERP": interp, "SAME_KV": same_kv}
     short = f"-short{block_h}" if block_h > BLOCK_H else ("-stream" if stream else "")
     warps = cfg.decode_warps(block_h, head_pad, itemsize, hip, interp, hopper=big_smem)
-    out.append(CompileVariant(f"attn_decode{short}[{qt}-{kt}-{tile}{'-features' if decode_features else ''}]",
+    out.append(CompileVariant(f"attn_decode{short}[{qt}-{kt}-{tile}{'-features' if decode_features else ''}{kvs}]",
                               decode_kernel, _signature(decode_kernel, qt, kt), const,
                               cfg.launch_options(warps, dc.num_stages, dc.waves_per_eu, hip, interp, dc.maxnreg)))
     if num_splits > 1 and not fused and merge_rows:
@@ -327,9 +329,9 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
         pc = cfg.prefill_tile(head_pad, itemsize, hip, big_smem, interp, features, short_keys)
         const = {"HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_M": pc.block_m, "BLOCK_N": pc.block_n,
                  "FEATURES": features, "FP8_KV": fp8, "BT_AHEAD": pc.bt_ahead,
-                 "ONE_RUN": pc.one_run, "INTERP": interp}
+                 "ONE_RUN": pc.one_run, "INTERP": interp, "SAME_KV": same_kv}
         one = "-onerun" if pc.one_run else ""
-        out.append(CompileVariant(f"attn_prefill{one}[{qt}-{kt}-{tile}{feat}]", prefill_kernel,
+        out.append(CompileVariant(f"attn_prefill{one}[{qt}-{kt}-{tile}{feat}{kvs}]", prefill_kernel,
                                   _signature(prefill_kernel, qt, kt), const,
                                   cfg.launch_options(pc.num_warps, pc.num_stages, pc.waves_per_eu, hip, interp,
                                                      pc.maxnreg)))
@@ -389,7 +391,8 @@ def _launch(query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out
                   softcap=softcap, alibi=alibi_slopes is not None, sinks=sinks is not None,
                   max_query_len=max_query_len, num_splits=num_splits, fused=fused, hip=hip,
                   big_smem=big_smem, interp=interp, stream=dc.stream > 0,
-                  merge_rows=merge_rows, short_keys=max_seq_len <= cfg.ONE_RUN_KEYS)
+                  merge_rows=merge_rows, short_keys=max_seq_len <= cfg.ONE_RUN_KEYS,
+                  same_kv=kv_strides[:2] == kv_strides[3:5])
     # every query longer than the decode kernel takes (a caller's bound): no decode launch, whose programs would
     # all return at once, and none of its host time
     decodes = min_query_len <= short_max(causal)
@@ -519,6 +522,10 @@ def paged_attention(
     (fp32 ``[H]``): one extra logit per head in the softmax denominator. fp8 caches
     are dequantised with the per-tensor ``k_scale``/``v_scale``.
 
+    Caches: ``[num_blocks, block_size, num_kv_heads, head_size]``, any strides but a unit one
+    for ``head_size``. Where V's block and token strides are K's (every engine's layout) one
+    address computation serves both; a V cache with strides of its own takes another compile.
+
     ``min_query_len`` (optional, a host-side bound like ``max_query_len``): no sequence has
     fewer query tokens. Above ``SHORT_MAX`` (16) it spares the decode kernel's launch in a
     batch of prefills only. Never pass it to a call captured in a CUDA graph that later
@@ -603,10 +610,10 @@ def _target_info(target: str) -> tuple[bool, bool]:
 def compile_variants(target: str) -> list[CompileVariant]:
     """Every kernel specialisation the dispatcher (:func:`select`) can pick on ``target`` (``sm90``, ``gfx942``...).
 
-    Only the query dtype, the KV dtype (the target's fp8 or the query's), the head size and
-    "any feature" reach a constexpr, so this walks those axes (with a prefill and both split
-    merges so that every kernel appears); ``tests/test_paged_attention_inputs.py`` checks that
-    every other input (block sizes, groups, feature subsets, split counts) maps into this list.
+    Only the query dtype, the KV dtype (the target's fp8 or the query's), the head size, "any
+    feature" and whether V's strides are K's reach a constexpr, so this walks those axes (with a
+    prefill and both split merges so that every kernel appears); ``tests/test_paged_attention_inputs.py``
+    checks that every other input (block sizes, groups, feature subsets, split counts) maps into this list.
     """
     hip, big_smem = _target_info(target)
     fp8 = target_fp8(target)
@@ -622,11 +629,12 @@ def compile_variants(target: str) -> list[CompileVariant]:
                                              (SHORT_MAX + 1, False)):
                             # the split merge a row or a program's rows at a time; prompts up to ONE_RUN_KEYS keys
                             for rows, short in ((False, False), (True, False), (False, True)):
-                                for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0,
-                                                alibi=any_feature, sinks=False, max_query_len=qlen, num_splits=2,
-                                                fused=fused, hip=hip, big_smem=big_smem, interp=False, stream=stream,
-                                                merge_rows=rows, short_keys=short):
-                                    seen.setdefault(variant_key(v), v)
+                                for same in (True, False):
+                                    for v in select(qdt, kdt, head, 16, 4, causal=True, window=0, softcap=0.0,
+                                                    alibi=any_feature, sinks=False, max_query_len=qlen, num_splits=2,
+                                                    fused=fused, hip=hip, big_smem=big_smem, interp=False,
+                                                    stream=stream, merge_rows=rows, short_keys=short, same_kv=same):
+                                        seen.setdefault(variant_key(v), v)
     return list(seen.values())
 
 

@@ -42,11 +42,17 @@ def _features(name: str, num_heads: int) -> dict:
 
 def _run(*, layout="contiguous", style="flash_attn", dtype=torch.bfloat16, kv_dtype=None, num_heads=32,
          num_kv_heads=8, head_size=128, block_size=16, q_lens=MIXED_Q, seq_lens=MIXED_S, splits=None, seed=0,
-         **features):
+         v_own=False, **features):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = len(seq_lens) * (-(-max(seq_lens) // block_size) + 1) + 16  # random_batch's table
     k, v, _, _ = paged_kv_case(layout=layout, style=style, num_kv_heads=num_kv_heads, head_size=head_size,
                                block_size=block_size, dtype=kv_dtype or dtype, num_blocks=num_blocks, device="cuda")
+    if v_own:  # V inside a wider tensor: block and token strides of its own (the kernels' SAME_KV False compile)
+        n, bs, h, d = v.shape
+        wide = torch.zeros(n, bs + 1, h + 2, d, dtype=v.dtype, device="cuda")
+        wide[:, 1:, 2:] = v
+        v = wide[:, 1:, 2:]
+        assert v.stride()[:2] != k.stride()[:2]
     query, bt, sl, qsl = random_batch(q_lens, seq_lens, num_heads, head_size, block_size, k.shape[0], dtype,
                                       device="cuda", generator=gen)
     out = torch.full_like(query, float("nan"))
@@ -214,3 +220,10 @@ def test_torch_compile_inductor():
 
     ref = paged_attention_ref(query, k, v, bt, sl, qsl)
     assert relative_error(fn(query), ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("q_lens,seq_lens", [(MIXED_Q, MIXED_S), ([16] * 8, [8192] * 8), ([1] * 8, [8192] * 8)],
+                         ids=["mixed", "short16", "decode"])
+def test_v_cache_with_strides_of_its_own(layout, q_lens, seq_lens):
+    _run(layout=layout, q_lens=q_lens, seq_lens=seq_lens, v_own=True)

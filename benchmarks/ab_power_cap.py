@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Attention A/B at full clock and at the power cap: one kvcached tree per process, run them in turn.
+
+    python3 benchmarks/ab_power_cap.py ROOT TAG 64x8192x16,8x8192x1,1x8192x8192
+
+A case is ``BxCxQ``: B sequences of C keys with Q query tokens each (Q = C: a whole prompt); bf16, 32 query / 8
+KV heads, head 128, block 16, inputs as ``sweep_decode.py`` makes them (seed 0). "cold": a captured graph's
+``do_bench`` (median) after 2 s idle, at full clock; "hot": the same graph replayed for 1.5 s first, so the GPU
+is at its power cap (an H200 reaches its 700 W within about 0.2 s and its SM clock falls to 1200-1700 MHz,
+``benchmarks/results/kv_offsets_h200.md``), then ``do_bench``. Prints a checksum of the output (two trees that
+differ only in addressing must agree bit for bit) and, for queries of up to 16 tokens, the largest error of the
+first two sequences against float64.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS, capture_graph, kernel_modules  # noqa: E402
+
+
+def inputs(b: int, c: int, n: int, dev: torch.device) -> tuple:
+    nb = c // BLOCK + 1
+    torch.manual_seed(0)
+    kc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
+    vc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
+    table = torch.randperm(b * nb, device=dev).to(torch.int32).view(b, nb)
+    lens = torch.tensor([c] * b, dtype=torch.int32, device=dev)
+    qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * n
+    q = torch.randn(b * n, Q_HEADS, HEAD, dtype=DT, device=dev)
+    return q, kc, vc, table, lens, qsl
+
+
+def run_case(pa, ref, tag: str, case: str, dev: torch.device) -> None:
+    from triton.testing import do_bench
+
+    b, c, n = (int(x) for x in case.split("x"))
+    q, kc, vc, table, lens, qsl = inputs(b, c, n, dev)
+
+    def fn():
+        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=c, scale=HEAD**-0.5)
+
+    o = fn().double()
+    line = f"sum={o.sum().item():.6e} abs={o.abs().sum().item():.6e}"
+    if n <= 16:
+        k = min(b, 2)
+        want = ref.paged_attention_ref(q[: k * n], kc, vc, table[:k], lens[:k], qsl[: k + 1], scale=HEAD**-0.5)
+        line += f" err={(o[: k * n] - want.double()).abs().max().item():.1e}"
+    graph = capture_graph(fn, dev)
+    time.sleep(2.0)
+    cold = do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
+    t_end = time.time() + 1.5
+    while time.time() < t_end:
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+    hot = do_bench(graph.replay, warmup=5, rep=200, return_mode="median") * 1e3
+    try:
+        clk = torch.cuda.clock_rate()  # MHz, through NVML where torch finds it
+    except Exception:
+        clk = -1
+    print(f"AB {tag} {case} cold_us={cold:.1f} hot_us={hot:.1f} clk_after={clk} {line}", flush=True)
+
+
+def main() -> None:
+    root, tag, cases = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+    _, pa, _, ref = kernel_modules(root)
+    dev = torch.device("cuda")
+    for case in cases:
+        run_case(pa, ref, tag, case, dev)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
