@@ -82,7 +82,7 @@ case "$job" in
     "$PY" -m ruff check kvcached tests benchmarks tools
     # Triton 3.9 (the venv's): a representative subset for every target; Triton 3.6 (the GPU machine's, and the 3.6
     # of ROCm's PyTorch 2.11): a pairwise cover for gfx942. --full: every variant (as in
-    # benchmarks/results/compile_check_full_triton3*.log, 1030 over five targets with each Triton)
+    # benchmarks/results/compile_check_full_triton3*.log, 1794 over five targets with each Triton)
     "$PY" -m kvcached.kernels.compile_check --targets gfx942,gfx90a,gfx950,sm80,sm90 --pairwise-on ""
     # without .venv-triton36 the venv's own Triton would load: the version says which one did
     if ! PYTHONPATH=.venv-triton36 "$PY" -c "import sys, triton; sys.exit(not triton.__version__.startswith('3.6.'))"

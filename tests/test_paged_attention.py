@@ -404,7 +404,6 @@ def test_strided_out_and_query():
     assert torch.isnan(wide_out[:, :2]).all() and torch.isnan(wide_out[:, 6:]).all()
 
 
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("q_lens,seq_lens", [(MIXED_Q, MIXED_S), ([4, 3, 4], [40, 3, 29])], ids=["mixed", "short"])
 def test_v_cache_with_strides_of_its_own(layout, q_lens, seq_lens, monkeypatch):
@@ -430,6 +429,7 @@ def test_v_cache_with_strides_of_its_own(layout, q_lens, seq_lens, monkeypatch):
         out = paged_attention(query, k, vc, bt, sl, qsl, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
         assert seen == [same]
         assert relative_error(out, ref) < TOL[torch.float16]
+
 
 def test_default_out_allocated():
     gen = torch.Generator().manual_seed(10)

@@ -259,7 +259,7 @@ def select(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int, block_si
     ``same_kv``: the V cache's block and token strides equal the K cache's (one address computation serves both).
     Block size, group size, split count, feature values and the head
     size within its power-of-two tile are run-time kernel arguments: only the dtypes, the
-    tile (32, 64, 128, masked 128 for 80/96, 256) and "any feature" pick a compile.
+    tile (32, 64, 128, masked 128 for 80/96, 256), "any feature" and ``same_kv`` pick a compile.
     ``compile_variants`` lists exactly what this can return for a target.
     """
     # cached per inputs and override knobs: one dict lookup per call (host time matters at batch 1)
