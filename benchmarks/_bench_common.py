@@ -222,6 +222,22 @@ def prefill_flops(q_lens: list[int], seq_lens: list[int], window: int = 0, short
                for n, s in zip(q_lens, seq_lens, strict=True) if n > short_max)
 
 
+def sweep_batch(lens: list[int], n: int, bound: int, device: torch.device) -> tuple:
+    """The sweeps' batch (``sweep_decode.py``, ``ab_power_cap.py``): ``n`` query tokens for each sequence of
+    ``lens`` keys, separate K and V caches of random bf16 (seed 0) holding only the real keys, block tables from
+    randperm padded with never-read columns up to ``bound`` keys (a graph's ``max_seq_len``): (query, K, V, table,
+    lengths, query_start_loc)."""
+    b, nb = len(lens), max(lens) // BLOCK + 1
+    torch.manual_seed(0)
+    kc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=device)
+    vc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=device)
+    table = torch.randperm(b * nb, device=device).to(torch.int32).view(b, nb)
+    table = torch.nn.functional.pad(table, (0, bound // BLOCK + 1 - nb))
+    qsl = torch.arange(b + 1, dtype=torch.int32, device=device) * n
+    q = torch.randn(b * n, Q_HEADS, HEAD, dtype=DT, device=device)
+    return q, kc, vc, table, torch.tensor(lens, dtype=torch.int32, device=device), qsl
+
+
 def paged_batch(q_lens: list[int], seq_lens: list[int], seed: int, device: torch.device) -> tuple:
     """A batch over a per-layer cache filled with random bf16: (query, block table from randperm, lengths,
     query_start_loc, bases, K view, V view); the same values for the same seed in every process."""

@@ -4,12 +4,12 @@
     python3 benchmarks/ab_power_cap.py ROOT TAG 64x8192x16,8x8192x1,1x8192x8192
 
 A case is ``BxCxQ``: B sequences of C keys with Q query tokens each (Q = C: a whole prompt); bf16, 32 query / 8
-KV heads, head 128, block 16, inputs as ``sweep_decode.py`` makes them (seed 0). "cold": a captured graph's
-``do_bench`` (median) after 2 s idle, at full clock; "hot": the same graph replayed for 1.5 s first, so the GPU
-is at its power cap (an H200 reaches its 700 W within about 0.2 s and its SM clock falls to 1200-1700 MHz,
-``benchmarks/results/kv_offsets_h200.md``), then ``do_bench``. Prints a checksum of the output (two trees that
-differ only in addressing must agree bit for bit) and, for queries of up to 16 tokens, the largest error of the
-first two sequences against float64.
+KV heads, head 128, block 16, inputs as ``sweep_decode.py`` makes them (``_bench_common.sweep_batch``). "cold": a
+captured graph's ``do_bench`` (median) after 2 s idle, at full clock; "hot": the same graph replayed for 1.5 s
+first, so the GPU is at its power cap (an H200 reaches its 700 W within about 0.2 s and its SM clock falls to
+1200-1700 MHz, ``benchmarks/results/kv_offsets_h200.md``), then ``do_bench``. Prints a checksum of the output
+(two trees that differ only in addressing must agree bit for bit) and, for queries of up to 16 tokens, the
+largest error of the first two sequences against float64.
 """
 
 from __future__ import annotations
@@ -21,26 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS, capture_graph, kernel_modules  # noqa: E402
-
-
-def inputs(b: int, c: int, n: int, dev: torch.device) -> tuple:
-    nb = c // BLOCK + 1
-    torch.manual_seed(0)
-    kc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
-    vc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
-    table = torch.randperm(b * nb, device=dev).to(torch.int32).view(b, nb)
-    lens = torch.tensor([c] * b, dtype=torch.int32, device=dev)
-    qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * n
-    q = torch.randn(b * n, Q_HEADS, HEAD, dtype=DT, device=dev)
-    return q, kc, vc, table, lens, qsl
+from _bench_common import HEAD, capture_graph, kernel_modules, sweep_batch  # noqa: E402
 
 
 def run_case(pa, ref, tag: str, case: str, dev: torch.device) -> None:
     from triton.testing import do_bench
 
     b, c, n = (int(x) for x in case.split("x"))
-    q, kc, vc, table, lens, qsl = inputs(b, c, n, dev)
+    q, kc, vc, table, lens, qsl = sweep_batch([c] * b, n, c, dev)
 
     def fn():
         return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=c, scale=HEAD**-0.5)

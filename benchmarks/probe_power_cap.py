@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import _bench_common as bc  # noqa: E402
 import torch  # noqa: E402
 from _bench_common import HEAD  # noqa: E402
-from ab_power_cap import inputs as sweep_inputs  # noqa: E402
 
 from kvcached.kernels import paged_attention  # noqa: E402
 
@@ -38,7 +37,7 @@ def stamp(msg: str) -> None:
 
 
 def probe(n: int, fa3, dev: torch.device) -> None:
-    q, kc, vc, table, lens, qsl = sweep_inputs(B, C, n, dev)
+    q, kc, vc, table, lens, qsl = bc.sweep_batch([C] * B, n, C, dev)
     name = f"short q={n} {B}x{C}" if n > 1 else f"decode {B}x{C}"  # bench_peers' case names seed its inputs
     qb, tb, lb, qslb, _, kb, vb = bc.paged_batch([n] * B, [C] * B, zlib.crc32(name.encode()), dev)
     fns = {

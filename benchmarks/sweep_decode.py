@@ -27,7 +27,7 @@ ap.add_argument("--sweep", default="[{}]", help="JSON list of override knob sets
 ARGS = ap.parse_args()
 
 import torch  # noqa: E402
-from _bench_common import BLOCK, DT, HEAD, KV_HEADS, Q_HEADS, graph_time_us, kernel_modules, time_us  # noqa: E402
+from _bench_common import HEAD, KV_HEADS, Q_HEADS, graph_time_us, kernel_modules, sweep_batch, time_us  # noqa: E402
 
 kvcached, pa, cfg, ref = kernel_modules(ARGS.root)
 
@@ -38,16 +38,8 @@ def run_case(case: str, sweep: list[dict], dev: torch.device) -> None:
     gen = torch.Generator().manual_seed(1)
     lens_l = torch.randint(256, 16385, (b,), generator=gen).tolist() if c == "u" else [int(c)] * b
     mx = max([*lens_l, *(int(m) for m in bound)])
-    nb = max(lens_l) // BLOCK + 1
-    torch.manual_seed(0)
-    kc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
-    vc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=dev)
-    table = torch.randperm(b * nb, device=dev).to(torch.int32).view(b, nb)
     # columns up to the bound (never read: past every length), so the cache holds only the real keys
-    table = torch.nn.functional.pad(table, (0, mx // BLOCK + 1 - nb))
-    lens = torch.tensor(lens_l, dtype=torch.int32, device=dev)
-    qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * n
-    q = torch.randn(b * n, Q_HEADS, HEAD, dtype=DT, device=dev)
+    q, kc, vc, table, lens, qsl = sweep_batch(lens_l, n, mx, dev)
     k = min(b, 64)  # every sequence of a batch up to 64 (a stream-K program's run may span several)
     want = ref.paged_attention_ref(q[: k * n], kc, vc, table[:k], lens[:k], qsl[: k + 1], scale=HEAD**-0.5).double()
     moved = sum(lens_l) * KV_HEADS * HEAD * 4 + b * n * Q_HEADS * HEAD * 4

@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--target", default="sm90")
     ap.add_argument("--root", default="", help="import kvcached from this tree")
     args = ap.parse_args()
+    if not re.fullmatch(r"sm\d+", args.target):
+        ap.error(f"--target {args.target!r}: an NVIDIA target (sm80, sm90...), whose cubin nvdisasm reads")
     if args.root:
         sys.path.insert(0, str(Path(args.root).resolve()))
     import triton
