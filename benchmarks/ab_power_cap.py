@@ -3,8 +3,10 @@
 
     python3 benchmarks/ab_power_cap.py ROOT TAG 64x8192x16,8x8192x1,1x8192x8192
 
-A case is ``BxCxQ``: B sequences of C keys with Q query tokens each (Q = C: a whole prompt); bf16, 32 query / 8
-KV heads, head 128, block 16, inputs as ``sweep_decode.py`` makes them (``_bench_common.sweep_batch``). "cold": a
+A case is ``BxCxQ``: B sequences of C keys with Q query tokens each (Q = C: a whole prompt), ``BxCxQ:fp8`` the
+same values in an fp8 KV cache; bf16, 32 query / 8
+KV heads, head 128, block 16, inputs as ``sweep_decode.py`` makes them (``_bench_common.sweep_batch``); the call
+gets ``min_query_len`` = Q, as kvcached's vLLM backend passes it (prompts alone: no decode launch). "cold": a
 captured graph's ``do_bench`` (median) after 2 s idle, at full clock; "hot": the same graph replayed for 1.5 s
 first, so the GPU is at its power cap (an H200 reaches its 700 W within about 0.2 s and its SM clock falls to
 1200-1700 MHz, ``benchmarks/results/kv_offsets_h200.md``), then ``do_bench``. Prints a checksum of the output
@@ -27,17 +29,27 @@ from _bench_common import HEAD, capture_graph, kernel_modules, sweep_batch  # no
 def run_case(pa, ref, tag: str, case: str, dev: torch.device) -> None:
     from triton.testing import do_bench
 
-    b, c, n = (int(x) for x in case.split("x"))
+    shape, _, kv = case.partition(":")
+    b, c, n = (int(x) for x in shape.split("x"))
     q, kc, vc, table, lens, qsl = sweep_batch([c] * b, n, c, dev)
+    scales = {}
+    if kv == "fp8":  # the same values in an fp8 cache (e4m3 on NVIDIA), scales 1
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        scales = {"k_scale": one, "v_scale": one}
+    elif kv:
+        raise SystemExit(f"case {case!r}: the only cache suffix is ':fp8'")
 
     def fn():
-        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=c, scale=HEAD**-0.5)
+        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=c, scale=HEAD**-0.5,
+                                  min_query_len=n, **scales)
 
     o = fn().double()
     line = f"sum={o.sum().item():.6e} abs={o.abs().sum().item():.6e}"
     if n <= 16:
         k = min(b, 2)
-        want = ref.paged_attention_ref(q[: k * n], kc, vc, table[:k], lens[:k], qsl[: k + 1], scale=HEAD**-0.5)
+        want = ref.paged_attention_ref(q[: k * n], kc, vc, table[:k], lens[:k], qsl[: k + 1], scale=HEAD**-0.5,
+                                       **scales)
         line += f" err={(o[: k * n] - want.double()).abs().max().item():.1e}"
     graph = capture_graph(fn, dev)
     time.sleep(2.0)

@@ -14,6 +14,9 @@ vLLM's Triton unified attention and FA3 (from vLLM's CUDA build) run on both too
 prefill cases only, in a child process that never imports vLLM (vLLM's import slows SDPA,
 FACTS.md): this script first runs itself with --sdpa-only --json PATH.
 
+Ours is called with max_query_len and min_query_len from the case's query lengths, as kvcached's vLLM
+backend calls it (FA3 gets max_seqlen_q likewise).
+
 Timing: each (case, impl) 3 times, each a fresh CUDA-graph capture timed by do_bench (median;
 eager do_bench where no graph can be made), a case's implementations in turn (``time_in_turn``: the GPU's
 clock falls at its power cap); the table gives the median of the 3 and their min-max (in the interpreter,
@@ -219,7 +222,7 @@ def run_case(case: Case, peers: dict) -> list[dict]:
     """Rows {impl, layout, t, lo, hi, check, note} of one case: ours on both layouts, then the peers."""
     q, table, lens, qsl, bases, kc, vc = inputs(case)
     rows, want = reference(case, q, kc, vc, table, qsl)
-    max_q, max_k = max(case.q_lens), max(case.seq_lens)
+    max_q, max_k, min_q = max(case.q_lens), max(case.seq_lens), min(case.q_lens)
     views = {Layout.PER_LAYER: (kc, vc, "")}
     out: list[dict] = []
     try:  # the same values in the last layer of a contiguous cache
@@ -231,9 +234,11 @@ def run_case(case: Case, peers: dict) -> list[dict]:
     except Exception as exc:
         out.append({"impl": "ours", "layout": "contiguous", "check": "ERROR", "note": bc.err_text(exc)})
 
+    # min_query_len as kvcached's vLLM backend passes it (from the host's query lengths): a batch of prefills
+    # then makes no decode launch
     def ours(k, v):
         return lambda: paged_attention(q, k, v, table, lens, qsl, max_query_len=max_q, max_seq_len=max_k,
-                                       scale=HEAD**-0.5)
+                                       scale=HEAD**-0.5, min_query_len=min_q)
 
     # the peers on contiguous views come last: a fault there cannot cost the other rows
     order = [("ours", lay) for lay in views] + [(p, lay) for lay in views for p in peers]

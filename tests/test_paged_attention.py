@@ -312,11 +312,15 @@ def test_prefills_only_skip_the_decode_launch(min_query_len, monkeypatch):
     assert err < TOL[torch.float16], f"relative error {err:.3e}"
 
 
-def test_prefill_slots_behind_decodes():
+@pytest.mark.parametrize("lookup", [None, 4, 0])
+def test_prefill_slots_behind_decodes(lookup):
     # vLLM's order (decodes first), prefills of several tiles (the interpreter's BLOCK_M is 32) with decodes and
-    # a short query between them: every prefill tile must find its sequence in the kernel's slot search
-    run_case(q_lens=[1, 1, 1, 70, 1, 33, 2, 65, 1], seq_lens=[20, 9, 40, 90, 33, 33, 50, 80, 3], splits=1,
-             seed=27)
+    # a short query between them: every prefill tile must find its sequence, counted over the batch's starts
+    # (the default lookup, 256 sequences) or by binary search (9 sequences against a lookup of 4; none compiled)
+    knobs = {} if lookup is None else {"prefill_lookup": lookup}
+    with cfg.override(**knobs):
+        run_case(q_lens=[1, 1, 1, 70, 1, 33, 2, 65, 1], seq_lens=[20, 9, 40, 90, 33, 33, 50, 80, 3], splits=1,
+                 seed=27)
 
 
 def test_short_query_rows_are_causal():

@@ -45,6 +45,11 @@ class PrefillConfig:
     bt_ahead: bool = False  # load the next key tile's block ids a tile ahead (attention_common._tile_run)
     maxnreg: int = 0  # NVIDIA only: registers a thread may use (0 = the compiler's choice)
     one_run: bool = False  # the diagonal tiles in the interior tiles' loop (attention_common.attn_tiles ONE_RUN)
+    # batches below this many sequences find a program's sequence by one load and a count, larger ones by binary
+    # search (0: always). H200, bf16 32/8 heads d128, graph replay (benchmarks/results/prefill_setup_h200.md run B):
+    # 64 prompts of 128 116.4 -> 109.0 us, 16 of 512 161.3 -> 159.4, 8 of 1k unchanged. Off on AMD, where it is
+    # not measured and the compile check shows more spills (gfx942 bf16 d128 with features: 0 -> 10).
+    lookup: int = 256
 
     @property
     def options(self) -> dict[str, int]:
@@ -84,6 +89,7 @@ KNOBS = (
     "prefill_bt_ahead",
     "prefill_maxnreg",
     "prefill_one_run",
+    "prefill_lookup",
     "merge_rows",
     "concurrent_prefill",
 )
@@ -198,7 +204,8 @@ def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
                    num_stages=o.get("prefill_num_stages", base.num_stages),
                    waves_per_eu=o.get("prefill_waves_per_eu", base.waves_per_eu),
                    bt_ahead=bool(o.get("prefill_bt_ahead", base.bt_ahead)),
-                   maxnreg=o.get("prefill_maxnreg", base.maxnreg))
+                   maxnreg=o.get("prefill_maxnreg", base.maxnreg),
+                   lookup=o.get("prefill_lookup", base.lookup))
     # the knob forces the one loop where the compile has it (plain causal, block ids ahead)
     return replace(tile, one_run=bool(o.get("prefill_one_run", base.one_run)) and tile.bt_ahead and not features)
 
@@ -337,10 +344,10 @@ def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, bt_ahead=True)
     if hip:
         if head_pad <= 64:
-            return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=1, waves_per_eu=2)
+            return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=1, waves_per_eu=2, lookup=0)
         if head_pad <= 128:  # block_n 64 spills on gfx942 (compile check: 256 vgprs + scratch)
-            return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=1, waves_per_eu=2)
-        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=1, waves_per_eu=2)
+            return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=1, waves_per_eu=2, lookup=0)
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=1, waves_per_eu=2, lookup=0)
     if head_pad <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if head_pad <= 128:

@@ -8,7 +8,9 @@ per query head: a quarter of the loads at 32 query / 8 KV heads.
 Grid ``(slots x head_slots,)``: ``slots = num_tokens // per + num_seqs``, ``head_slots``
 = KV heads x head chunks. Sequence ``i``'s tiles take the slots from
 ``query_start_loc[i] // per + i`` on, a bound the host knows without reading the
-device, and each program finds its sequence by binary search over those starts. A
+device, and each program finds its sequence among those starts (one load and a count
+below ``LOOKUP`` sequences, ``attention_config.PrefillConfig.lookup``; a binary search
+otherwise). A
 grid of ``max_query_len`` tiles for every sequence would launch a program for each
 tile of each decode in a mixed batch (60 decodes beside 4 chunks of 1024: 15k
 programs that return at once; about 18 us of that batch's 1559 on an H200,
@@ -45,6 +47,20 @@ from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tiles
 # run-time scalars whose value must not make Triton compile another specialisation
 _NO_SPECIALISE = ["group", "bs_shift", "window", "causal", "has_alibi", "has_sinks", "short_max", "num_seqs",
                   "head_slots"]
+
+
+@triton.jit
+def _search_seq(qsl_ptr, num_seqs, per, slot):
+    """Binary search: the last sequence whose first slot is <= slot (log2(num_seqs) loads in a row)."""
+    seq = 0
+    above = num_seqs
+    while above - seq > 1:
+        mid = (seq + above) // 2
+        if tl.load(qsl_ptr + mid) // per + mid <= slot:
+            seq = mid
+        else:
+            above = mid
+    return seq
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALISE)
@@ -91,6 +107,7 @@ def prefill_kernel(
     FP8_KV: tl.constexpr,
     BT_AHEAD: tl.constexpr,
     ONE_RUN: tl.constexpr,
+    LOOKUP: tl.constexpr,
     INTERP: tl.constexpr,
     SAME_KV: tl.constexpr,
 ):
@@ -102,23 +119,28 @@ def prefill_kernel(
     per = BLOCK_M // hc  # query tokens in one program
     kv_head = hslot // chunks
     h0 = (hslot % chunks) * BLOCK_M  # first head of this chunk within the group
-    # the last sequence whose first slot (query_start_loc[i] // per + i, increasing in i) is <= slot
-    seq = 0
-    above = num_seqs
-    while above - seq > 1:
-        mid = (seq + above) // 2
-        if tl.load(qsl_ptr + mid) // per + mid <= slot:
-            seq = mid
+    # the last sequence whose first slot (query_start_loc[i] // per + i, increasing in i) is <= slot: counted
+    # over one load of the batch's starts below LOOKUP sequences (one round trip on the program's way to its
+    # first key tile, where a binary search makes log2(num_seqs) in a row), searched otherwise
+    if LOOKUP > 0:
+        if num_seqs < LOOKUP:
+            b = tl.arange(0, LOOKUP)
+            starts = tl.load(qsl_ptr + b, mask=b < num_seqs, other=0)
+            seq = tl.maximum(tl.sum(((starts // per + b <= slot) & (b < num_seqs)).to(tl.int32), 0) - 1, 0)
         else:
-            above = mid
+            seq = _search_seq(qsl_ptr, num_seqs, per, slot)
+    else:
+        seq = _search_seq(qsl_ptr, num_seqs, per, slot)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    # volatile: the compiler may not sink the load below the returns, so it leaves beside the query's bounds,
+    # not one round trip after them on this program's way to its first key tile
+    seq_len = tl.load(seq_lens_ptr + seq, volatile=True)
     t0 = (slot - q_start // per - seq) * per
     if t0 < 0 or t0 >= q_len:  # below: slots before a query_start_loc[0] > 0
         return
     if q_len <= short_max:  # the decode kernel handles single tokens and short queries
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
 
     r = tl.arange(0, BLOCK_M)
@@ -174,10 +196,13 @@ def prefill_kernel(
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    # masked tiles before the interior (LEAD) only at a sliding window's edge: without features lo = full_lo = 0,
+    # and a compiled lead run, empty, still cost every program its pipeline prologue and a wait for all copies
+    # (H200, benchmarks/results/prefill_setup_h200.md)
     acc, m_i, l_i = attn_tiles(
         acc, m_i, l_i, q, lo, full_lo, full_hi, hi, q_pos, slope, k_head, v_head, bt_row, stride_kb, stride_kt,
-        stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, True, FEATURES,
-        FP8_KV, INTERP, SAME_KV, BT_AHEAD, ONE_RUN,
+        stride_vb, stride_vt, qk_scale, softcap, window, causal, bs_shift, d, d_mask, BLOCK_N, PAD_D, FEATURES,
+        FEATURES, FP8_KV, INTERP, SAME_KV, BT_AHEAD, ONE_RUN,
     )
 
     if FP8_KV:

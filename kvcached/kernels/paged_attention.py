@@ -329,7 +329,7 @@ def _select(q_dtype, kv_dtype, head_size, block_size, group, causal, window, sof
         pc = cfg.prefill_tile(head_pad, itemsize, hip, big_smem, interp, features, short_keys)
         const = {"HEAD_PAD": head_pad, "PAD_D": pad, "BLOCK_M": pc.block_m, "BLOCK_N": pc.block_n,
                  "FEATURES": features, "FP8_KV": fp8, "BT_AHEAD": pc.bt_ahead,
-                 "ONE_RUN": pc.one_run, "INTERP": interp, "SAME_KV": same_kv}
+                 "ONE_RUN": pc.one_run, "LOOKUP": pc.lookup, "INTERP": interp, "SAME_KV": same_kv}
         one = "-onerun" if pc.one_run else ""
         out.append(CompileVariant(f"attn_prefill{one}[{qt}-{kt}-{tile}{feat}{kvs}]", prefill_kernel,
                                   _signature(prefill_kernel, qt, kt), const,

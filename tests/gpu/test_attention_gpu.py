@@ -74,6 +74,19 @@ def test_features_layouts_views(dtype, feature, layout, style):
     _run(layout=layout, style=style, dtype=dtype, **_features(feature, 32))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefills_in_a_batch_past_the_lookup(layout):
+    """More sequences than the prefill kernel counts over in one load (``PrefillConfig.lookup``, 256 on NVIDIA):
+    its programs find their sequence by binary search; prompts and chunks first, in the middle and last."""
+    n = 301
+    assert n > cfg.PrefillConfig(block_m=1, block_n=1, num_warps=1, num_stages=1).lookup
+    q_lens = [1] * n
+    seq_lens = [200 + (37 * i) % 1800 for i in range(n)]
+    for i, (q, ctx) in zip((0, n // 2, n - 1), ((700, 0), (300, 900), (517, 64)), strict=True):
+        q_lens[i], seq_lens[i] = q, q + ctx
+    _run(layout=layout, q_lens=q_lens, seq_lens=seq_lens, seed=5)
+
+
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
