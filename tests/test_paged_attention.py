@@ -323,6 +323,12 @@ def test_prefill_slots_behind_decodes(lookup):
                  seed=27)
 
 
+@pytest.mark.parametrize("lookup", [-1, 3, 100])
+def test_prefill_lookup_knob_must_be_a_power_of_two(lookup):
+    with cfg.override(prefill_lookup=lookup), pytest.raises(ValueError, match="power of two"):
+        cfg.prefill_tile(128, 2, hip=False, big_smem=True, interp=False)
+
+
 def test_short_query_rows_are_causal():
     # every token of a 16-token query sees a different number of keys: a row given the last token's keys
     # (or the first's) is far off

@@ -198,6 +198,10 @@ def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
     if not _OVERRIDES:
         return base
     o = _OVERRIDES
+    lookup = o.get("prefill_lookup", base.lookup)
+    if lookup < 0 or lookup & (lookup - 1):
+        raise ValueError(f"prefill_lookup={lookup}: 0 (binary search only) or a power of two (the prefill kernel "
+                         "counts over tl.arange(0, lookup))")
     tile = replace(base, block_m=o.get("prefill_block_m", base.block_m),
                    block_n=o.get("prefill_block_n", base.block_n),
                    num_warps=o.get("prefill_num_warps", base.num_warps),
@@ -205,7 +209,7 @@ def prefill_tile(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
                    waves_per_eu=o.get("prefill_waves_per_eu", base.waves_per_eu),
                    bt_ahead=bool(o.get("prefill_bt_ahead", base.bt_ahead)),
                    maxnreg=o.get("prefill_maxnreg", base.maxnreg),
-                   lookup=o.get("prefill_lookup", base.lookup))
+                   lookup=lookup)
     # the knob forces the one loop where the compile has it (plain causal, block ids ahead)
     return replace(tile, one_run=bool(o.get("prefill_one_run", base.one_run)) and tile.bt_ahead and not features)
 
