@@ -12,8 +12,8 @@ caches 1x, 2x and 8x the written tokens, and whole 2 MiB pages of blocks (64 blo
 order with the blocks shuffled within each page, the grouping kvcached's block pool gives (it fills a
 page's blocks before it takes another page). Then the write into a real kvcached cache (virtual
 memory, both layouts, 4 layers) at the slots its ``KVCacheManager`` hands out to a batch of new
-prompts after the pool has churned (prompts allocated and freed at random), and the same slots in a
-plain cache. Beside ours, vLLM's CUDA ``reshape_and_cache_flash``
+prompts, from a fresh pool and after the pool has churned (prompts allocated and freed at random),
+and the same slots in a plain cache. Beside ours, vLLM's CUDA ``reshape_and_cache_flash``
 on the same data where vLLM is importable (the row says so where it is not).
 
 65,536 tokens x 8 KV heads x head 128, bf16, block 16; graph replay, best of 3 captures; the
@@ -108,23 +108,24 @@ def _kvcached_rows(tab: Table, lines: list[str], key: torch.Tensor, val: torch.T
                     plain = torch.empty(int(blocks.max()) + 1, BS, H, D, dtype=torch.bfloat16, device=DEV)
                     caches.append(("plain, as large as the highest slot", plain, torch.empty_like(plain)))
                 for cache, kc, vc in caches:
-                    _time_write(tab, cache, pattern, slots, kc, vc, key, val, t_copy, moved)
+                    go = lambda s=slots, k=kc, v=vc: write_kv_cache(key, val, k, v, s)  # noqa: E731
+                    _time_write(tab, (cache, pattern, "ours"), go, slots, kc, vc, key, val, t_copy, moved)
                 del caches
                 mgr.free(sorted(set(blocks.tolist())))
         finally:
             vi.shutdown_kvcached()
 
 
-def _time_write(tab: Table, cache: str, pattern: str, slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                key: torch.Tensor, val: torch.Tensor, t_copy: float, moved: int) -> None:
+def _time_write(tab: Table, cells: tuple[str, str, str], go, slots: torch.Tensor, kc: torch.Tensor,
+                vc: torch.Tensor, key: torch.Tensor, val: torch.Tensor, t_copy: float, moved: int) -> None:
+    """One row: ``go`` writes key/val at ``slots``; checked bit for bit, then timed. ``cells``: cache, slots, impl."""
     blk, off = slots // BS, slots % BS
     kc[blk, off] = 0  # only the written slots: a kvcached cache maps nothing else
     vc[blk, off] = 0
-    go = lambda: write_kv_cache(key, val, kc, vc, slots)  # noqa: E731
     go()
     ok = torch.equal(kc[blk, off], key) and torch.equal(vc[blk, off], val)
     t = min(graph_time_us(go, DEV) for _ in range(3))
-    tab.add(cache, pattern, "ours", t, moved / t / 1e6, 100 * t_copy / t, "ok" if ok else "WRONG")
+    tab.add(*cells, t, moved / t / 1e6, 100 * t_copy / t, "ok" if ok else "WRONG")
     print(tab.rows[-1], flush=True)
 
 
@@ -163,13 +164,7 @@ def main() -> None:
                 impls.append(("vLLM reshape_and_cache_flash",
                               lambda s=slots, k=kc, v=vc: theirs(key, val, k, v, s, "auto", one, one)))
             for impl, go in impls:
-                kc.zero_()
-                vc.zero_()
-                go()
-                ok = torch.equal(kc.view(-1, H, D)[slots], key) and torch.equal(vc.view(-1, H, D)[slots], val)
-                t = min(graph_time_us(go, DEV) for _ in range(3))
-                tab.add(f"{span}x", name, impl, t, moved / t / 1e6, 100 * t_copy / t, "ok" if ok else "WRONG")
-                print(tab.rows[-1], flush=True)
+                _time_write(tab, (f"{span}x", name, impl), go, slots, kc, vc, key, val, t_copy, moved)
         del kc, vc
         torch.cuda.empty_cache()
     _kvcached_rows(tab, lines, key, val, t_copy, moved)
