@@ -15,7 +15,8 @@ process that never imports vLLM (FACTS.md: its import slows SDPA):
    calls; our eager call merges its splits inside the decode kernel, so ours is also profiled
    with that merge off, ``decode_fused_reduce=0``, the CUDA-graph path).
 
-bf16, 32 query / 8 KV heads, head 128, block 16; every implementation checked against float64.
+bf16, 32 query / 8 KV heads, head 128, block 16; every implementation's output for the first sequence of each
+batch checked against float64 (the check column; the whole batch in float64 would take minutes).
 """
 
 from __future__ import annotations
