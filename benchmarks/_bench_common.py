@@ -253,6 +253,15 @@ def paged_batch(q_lens: list[int], seq_lens: list[int], seed: int, device: torch
     return q, table, lens, qsl, bases, kc, vc
 
 
+def gathered_kv(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V of every row of ``table`` gathered from a paged cache into dense ``[B, KV heads, keys, head]``
+    tensors, as dense SDPA takes them (keys: the table's blocks x the block size)."""
+    b = table.shape[0]
+    k = kc[table.long()].reshape(b, -1, *kc.shape[-2:]).transpose(1, 2).contiguous()
+    v = vc[table.long()].reshape(b, -1, *vc.shape[-2:]).transpose(1, 2).contiguous()
+    return k, v
+
+
 def layers_for(layout, per_layer_bytes: float, mem_gb: float) -> int:
     from kvcached.layout import Layout
 

@@ -65,6 +65,7 @@ from _bench_common import (  # noqa: E402
     environment,
     err_text,
     free_memory,
+    gathered_kv,
     gpu_slug,
     graph_time_us,
     kv_cache,
@@ -220,8 +221,7 @@ def run_decode(tab: Table, ceil: dict[str, float], shapes, flex_shapes: set) -> 
 def peers(tab, series, q, kc, vc, table, lens, want, batch, ctx, bytes_moved, ceil, flex_shapes, t_ours):
     sl = want.shape[0]
     try:  # dense SDPA on the same data, gathered into contiguous [B, Hk, S, D]
-        k = kc[table.long()].reshape(batch, ctx, KV_HEADS, HEAD).transpose(1, 2).contiguous()
-        v = vc[table.long()].reshape(batch, ctx, KV_HEADS, HEAD).transpose(1, 2).contiguous()
+        k, v = gathered_kv(kc, vc, table)
         q4 = q.unsqueeze(2)
 
         def sdpa():
@@ -364,8 +364,7 @@ def run_prefill(tab: Table, ceil: dict[str, float], sizes, flex_sizes: set[int])
 
 def prefill_peers(tab, ceil, q, kc, vc, table, n, flops, first, last, w, flex_sizes):
     try:
-        k = kc[table[0].long()].reshape(1, n, KV_HEADS, HEAD).transpose(1, 2).contiguous()
-        v = vc[table[0].long()].reshape(1, n, KV_HEADS, HEAD).transpose(1, 2).contiguous()
+        k, v = gathered_kv(kc, vc, table)
         q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
 
         def sdpa():

@@ -180,9 +180,8 @@ def sdpa_case(case: Case) -> dict:
 
     q, table, lens, qsl, bases, kc, vc = inputs(case)
     rows, want = reference(case, q, kc, vc, table, qsl)
-    b, n, s = len(case.seq_lens), case.q_lens[0], case.seq_lens[0]
-    k = kc[table.long()].reshape(b, s, KV_HEADS, HEAD).transpose(1, 2).contiguous()
-    v = vc[table.long()].reshape(b, s, KV_HEADS, HEAD).transpose(1, 2).contiguous()
+    b, n = len(case.seq_lens), case.q_lens[0]
+    k, v = bc.gathered_kv(kc, vc, table)
     del bases, kc, vc
     q4 = q.view(b, n, Q_HEADS, HEAD).transpose(1, 2).contiguous()
     backend = [SDPBackend.FLASH_ATTENTION]

@@ -49,7 +49,9 @@ PATCHES = [
 
 CHILD = r"""
 import sys, torch, importlib
+sys.path.insert(0, sys.argv[2])
 import kvcached
+from _bench_common import paged_batch
 assert kvcached.__file__.startswith(sys.argv[1]), kvcached.__file__
 from kvcached.kernels import attention_config as cfg
 pa = importlib.import_module("kvcached.kernels.paged_attention")
@@ -60,14 +62,7 @@ def pct(x):
     return " / ".join(f"{x[int(q * (len(x) - 1))].item() / 1e3:.1f}" for q in (0, 0.1, 0.5, 0.9, 1.0))
 
 for b, s in CASES:
-    nb = s // 16
-    torch.manual_seed(0)
-    kc = torch.randn(b * nb, 16, 8, 128, dtype=torch.bfloat16, device=dev)
-    vc = torch.randn_like(kc)
-    q = torch.randn(b, 32, 128, dtype=torch.bfloat16, device=dev)
-    lens = torch.full((b,), s, dtype=torch.int32, device=dev)
-    qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
-    table = torch.randperm(b * nb, device=dev).to(torch.int32).view(b, nb)
+    q, table, lens, qsl, _bases, kc, vc = paged_batch([1] * b, [s] * b, 0, dev)
     with cfg.override(decode_fused_reduce=0):
         for call in range(4):
             pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=1, max_seq_len=s, scale=128**-0.5)
@@ -102,7 +97,8 @@ def main() -> None:
         patched_copy(tmp)
         child = f"CASES = {CASES!r}\n" + CHILD
         env = dict(os.environ, PYTHONPATH=tmp)
-        run = subprocess.run([sys.executable, "-c", child, tmp], capture_output=True, text=True, env=env, cwd=tmp)
+        run = subprocess.run([sys.executable, "-c", child, tmp, str(ROOT / "benchmarks")], capture_output=True,
+                             text=True, env=env, cwd=tmp)
         if run.returncode:
             raise SystemExit(run.stderr[-3000:])
     tab = Table("A stream-K decode program's clock (us; 0 / 10 / 50 / 90 / 100 % over the programs of one call)",

@@ -30,15 +30,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _bench_common import (  # noqa: E402
     BLOCK,
-    DT,
     HEAD,
     KV_HEADS,
     Q_HEADS,
     Table,
     close,
     environment,
+    gathered_kv,
     gpu_slug,
     graph_time_us,
+    paged_batch,
     write_report,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
@@ -54,10 +55,9 @@ PATTERNS = ("random", "in order", "2 MiB groups")
 
 
 def block_table(pattern: str, b: int, nb: int) -> torch.Tensor:
+    """The other patterns over the same b x nb blocks ("random" is paged_batch's randperm)."""
     cache = b * nb
-    if pattern == "random":
-        t = torch.randperm(cache, device=DEV)
-    elif pattern == "in order":
+    if pattern == "in order":
         t = torch.arange(cache, device=DEV)
     else:
         groups = torch.randperm(cache // GROUP, device=DEV)
@@ -89,11 +89,9 @@ def ours_call(q, kc, vc, table, lens, qsl, s: int):
                                    min_query_len=1)
 
 
-def sdpa_call(q, kc, vc, table, b: int, s: int):
+def sdpa_call(q, kc, vc, table, b: int):
     """Dense SDPA flash on each sequence's K/V gathered contiguously (what it is given in bench_peers.py too)."""
-    gather = table.long()
-    k = kc[gather].reshape(b, s, KV_HEADS, HEAD).transpose(1, 2).contiguous()
-    v = vc[gather].reshape(b, s, KV_HEADS, HEAD).transpose(1, 2).contiguous()
+    k, v = gathered_kv(kc, vc, table)
     q4 = q.view(b, 1, Q_HEADS, HEAD).transpose(1, 2).contiguous()
 
     def fn():
@@ -104,16 +102,10 @@ def sdpa_call(q, kc, vc, table, b: int, s: int):
 
 
 def run_case(b: int, s: int, tab: Table, prof: Table) -> None:
-    nb = s // BLOCK
-    torch.manual_seed(0)
-    kc = torch.randn(b * nb, BLOCK, KV_HEADS, HEAD, dtype=DT, device=DEV)
-    vc = torch.randn_like(kc)
-    q = torch.randn(b, Q_HEADS, HEAD, dtype=DT, device=DEV)
-    lens = torch.full((b,), s, dtype=torch.int32, device=DEV)
-    qsl = torch.arange(b + 1, dtype=torch.int32, device=DEV)
-    tables = {p: block_table(p, b, nb) for p in PATTERNS}
+    q, table, lens, qsl, _bases, kc, vc = paged_batch([1] * b, [s] * b, 0, DEV)
+    tables = {p: table if p == "random" else block_table(p, b, s // BLOCK) for p in PATTERNS}
     calls = [("ours", p, ours_call(q, kc, vc, t, lens, qsl, s), t) for p, t in tables.items()]
-    calls.append(("SDPA flash", "dense (gathered)", sdpa_call(q, kc, vc, tables["random"], b, s), tables["random"]))
+    calls.append(("SDPA flash", "dense (gathered)", sdpa_call(q, kc, vc, tables["random"], b), tables["random"]))
     checks = []
     for impl, pattern, fn, t in calls:  # the first sequence against float64 (the whole batch costs minutes)
         want = paged_attention_ref(q[:1], kc, vc, t[:1], lens[:1], qsl[:2], scale=HEAD**-0.5)
