@@ -119,9 +119,10 @@ def spec_arg(spec: dict) -> str:
 class ForkedEngine:
     """An engine forked by a fork server (``engine_runner.fork_server``), with what the tests use of a Popen."""
 
-    def __init__(self, pid: int, log: str) -> None:
+    def __init__(self, pid: int, log: str, server: subprocess.Popen) -> None:
         self.pid = pid
         self.log = log
+        self.server = server
         self.returncode: int | None = None
 
     def _exited(self) -> bool:
@@ -134,8 +135,10 @@ class ForkedEngine:
         try:
             os.kill(self.pid, 0)  # an exited engine stays a zombie until its server reaps it and writes .rc
             return False
-        except ProcessLookupError:  # its server is gone (the engine was reparented and reaped): status unknown
-            return True
+        except ProcessLookupError:
+            # Reaped: its server writes .rc just after waitpid, so wait for it while the server lives. Only when
+            # the server is gone too (the engine was reparented and reaped elsewhere) is the status unknown.
+            return self.server.poll() is not None
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -195,7 +198,7 @@ def start_engine(spec: dict, env: dict[str, str]) -> subprocess.Popen | ForkedEn
         reply = server.stdout.readline().strip()
         if not reply.isdigit():
             raise AssertionError(f"the engine fork server did not fork (it said {reply!r}; its error is above)")
-        return ForkedEngine(int(reply), log)
+        return ForkedEngine(int(reply), log, server)
     return subprocess.Popen([sys.executable, str(RUNNER), spec_arg(spec)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,6 +44,21 @@ def test_forked_engine_failure_is_reported(tmp_path: Path) -> None:
         finish_engine(proc)
     assert "engine exited with 1 and no result" in str(err.value)
     assert proc.returncode == 1
+
+
+def test_exit_status_written_after_the_reap_is_awaited(tmp_path: Path) -> None:
+    """The server reaps an engine, then writes its status: in between the engine's pid is gone and its ``.rc``
+    is not there yet. While the server lives the harness waits for the status (CI once read ``None`` here)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    log = tmp_path / "engine.log"
+    log.write_text("no result line\n")
+    proc = ForkedEngine(gone.pid, str(log), SimpleNamespace(poll=lambda: None))  # a server that lives
+    late = threading.Timer(0.5, lambda: (tmp_path / "engine.log.rc").write_text("1"))
+    late.start()
+    with pytest.raises(AssertionError, match="engine exited with 1 and no result"):
+        finish_engine(proc, timeout=30)
+    late.join()
 
 
 def test_forked_engine_past_its_timeout_is_killed(tmp_path: Path) -> None:
