@@ -222,6 +222,13 @@ def prefill_flops(q_lens: list[int], seq_lens: list[int], window: int = 0, short
                for n, s in zip(q_lens, seq_lens, strict=True) if n > short_max)
 
 
+def case_lens(b: int, c: str) -> list[int]:
+    """The sweeps' context lengths for ``B`` sequences of ``C`` keys: ``C`` = ``u`` draws them uniformly from
+    256..16384 (fixed seed), the uneven batch of the kernel table."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(256, 16385, (b,), generator=gen).tolist() if c == "u" else [int(c)] * b
+
+
 def sweep_batch(lens: list[int], n: int, bound: int, device: torch.device) -> tuple:
     """The sweeps' batch (``sweep_decode.py``, ``ab_power_cap.py``): ``n`` query tokens for each sequence of
     ``lens`` keys, separate K and V caches of random bf16 (seed 0) holding only the real keys, block tables from

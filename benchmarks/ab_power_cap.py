@@ -3,10 +3,10 @@
 
     python3 benchmarks/ab_power_cap.py ROOT TAG 64x8192x16,8x8192x1,1x8192x8192
 
-A case is ``BxCxQ``: B sequences of C keys with Q query tokens each (Q = C: a whole prompt), ``BxCxQ:fp8`` the
-same values in an fp8 KV cache; bf16, 32 query / 8
-KV heads, head 128, block 16, inputs as ``sweep_decode.py`` makes them (``_bench_common.sweep_batch``); the call
-gets ``min_query_len`` = Q, as kvcached's vLLM backend passes it (prompts alone: no decode launch). "cold": a
+A case is ``BxCxQ``: B sequences of C keys with Q query tokens each (Q = C: a whole prompt; C = ``u``: lengths
+drawn from 256..16384 as ``sweep_decode.py`` draws them), ``BxCxQ:fp8`` the same values in an fp8 KV cache; bf16,
+32 query / 8 KV heads, head 128, block 16, inputs as ``sweep_decode.py`` makes them (``_bench_common.sweep_batch``);
+the call gets ``min_query_len`` = Q, as kvcached's vLLM backend passes it (prompts alone: no decode launch). "cold": a
 captured graph's ``do_bench`` (median) after 2 s idle, at full clock; "hot": the same graph replayed for 1.5 s
 first, so the GPU is at its power cap (an H200 reaches its 700 W within about 0.2 s and its SM clock falls to
 1200-1700 MHz, ``benchmarks/results/kv_offsets_h200.md``), then ``do_bench``. Prints a checksum of the output
@@ -23,15 +23,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _bench_common import HEAD, capture_graph, kernel_modules, sweep_batch, time_us  # noqa: E402
+from _bench_common import HEAD, capture_graph, case_lens, kernel_modules, sweep_batch, time_us  # noqa: E402
 
 
 def run_case(pa, ref, tag: str, case: str, dev: torch.device) -> None:
     from triton.testing import do_bench
 
     shape, _, kv = case.partition(":")
-    b, c, n = (int(x) for x in shape.split("x"))
-    q, kc, vc, table, lens, qsl = sweep_batch([c] * b, n, c, dev)
+    b, c, n = shape.split("x")
+    b, n = int(b), int(n)
+    lens_l = case_lens(b, c)
+    c = max(lens_l)
+    q, kc, vc, table, lens, qsl = sweep_batch(lens_l, n, c, dev)
     scales = {}
     if kv == "fp8":  # the same values in the vendor's fp8 cache (kvcached's own choice of e4m3), scales 1
         from kvcached.kernels.platform import fp8_kv_dtype  # the tree kernel_modules put on the path

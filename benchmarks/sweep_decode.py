@@ -27,7 +27,16 @@ ap.add_argument("--sweep", default="[{}]", help="JSON list of override knob sets
 ARGS = ap.parse_args()
 
 import torch  # noqa: E402
-from _bench_common import HEAD, KV_HEADS, Q_HEADS, graph_time_us, kernel_modules, sweep_batch, time_us  # noqa: E402
+from _bench_common import (  # noqa: E402
+    HEAD,
+    KV_HEADS,
+    Q_HEADS,
+    case_lens,
+    graph_time_us,
+    kernel_modules,
+    sweep_batch,
+    time_us,
+)
 
 kvcached, pa, cfg, ref = kernel_modules(ARGS.root)
 
@@ -35,8 +44,7 @@ kvcached, pa, cfg, ref = kernel_modules(ARGS.root)
 def run_case(case: str, sweep: list[dict], dev: torch.device) -> None:
     b, c, n, *bound = case.split("x")
     b, n = int(b), int(n)
-    gen = torch.Generator().manual_seed(1)
-    lens_l = torch.randint(256, 16385, (b,), generator=gen).tolist() if c == "u" else [int(c)] * b
+    lens_l = case_lens(b, c)
     mx = max([*lens_l, *(int(m) for m in bound)])
     # columns up to the bound (never read: past every length), so the cache holds only the real keys
     q, kc, vc, table, lens, qsl = sweep_batch(lens_l, n, mx, dev)
