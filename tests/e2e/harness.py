@@ -119,11 +119,14 @@ def spec_arg(spec: dict) -> str:
 class ForkedEngine:
     """An engine forked by a fork server (``engine_runner.fork_server``), with what the tests use of a Popen."""
 
+    status_wait_s = 10.0  # how long a reaped engine's status file is waited for
+
     def __init__(self, pid: int, log: str, server: subprocess.Popen) -> None:
         self.pid = pid
         self.log = log
         self.server = server
         self.returncode: int | None = None
+        self._gone_at: float | None = None  # when its pid was first seen gone with no status written
 
     def _exited(self) -> bool:
         try:
@@ -136,9 +139,12 @@ class ForkedEngine:
             os.kill(self.pid, 0)  # an exited engine stays a zombie until its server reaps it and writes .rc
             return False
         except ProcessLookupError:
-            # Reaped: its server writes .rc just after waitpid, so wait for it while the server lives. Only when
-            # the server is gone too (the engine was reparented and reaped elsewhere) is the status unknown.
-            return self.server.poll() is not None
+            # Reaped: its server writes .rc just after waitpid, so wait for it while the server lives (for
+            # status_wait_s at most: a status never written must not hang the test). Only when the server is gone
+            # too (the engine was reparented and reaped elsewhere) or the wait is over is the status unknown.
+            if self._gone_at is None:
+                self._gone_at = time.monotonic()
+            return self.server.poll() is not None or time.monotonic() - self._gone_at > self.status_wait_s
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         deadline = None if timeout is None else time.monotonic() + timeout

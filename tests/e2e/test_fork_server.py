@@ -61,6 +61,17 @@ def test_exit_status_written_after_the_reap_is_awaited(tmp_path: Path) -> None:
     late.join()
 
 
+def test_exit_status_never_written_is_not_waited_for_forever(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    log = tmp_path / "engine.log"
+    log.write_text("no result line\n")
+    proc = ForkedEngine(gone.pid, str(log), SimpleNamespace(poll=lambda: None))
+    proc.status_wait_s = 0.3
+    with pytest.raises(AssertionError, match="engine exited with None and no result"):
+        finish_engine(proc, timeout=30)
+
+
 def test_forked_engine_past_its_timeout_is_killed(tmp_path: Path) -> None:
     proc = start_engine({"model": "unused", **SHORT, "start_after": str(tmp_path / "never")}, engine_env())
     assert isinstance(proc, ForkedEngine)
