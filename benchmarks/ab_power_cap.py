@@ -33,8 +33,8 @@ def run_case(pa, ref, tag: str, case: str, dev: torch.device) -> None:
     b, c, n = shape.split("x")
     b, n = int(b), int(n)
     lens_l = case_lens(b, c)
-    c = max(lens_l)
-    q, kc, vc, table, lens, qsl = sweep_batch(lens_l, n, c, dev)
+    longest = max(lens_l)
+    q, kc, vc, table, lens, qsl = sweep_batch(lens_l, n, longest, dev)
     scales = {}
     if kv == "fp8":  # the same values in the vendor's fp8 cache (kvcached's own choice of e4m3), scales 1
         from kvcached.kernels.platform import fp8_kv_dtype  # the tree kernel_modules put on the path
@@ -46,7 +46,7 @@ def run_case(pa, ref, tag: str, case: str, dev: torch.device) -> None:
         raise SystemExit(f"case {case!r}: the only cache suffix is ':fp8'")
 
     def fn():
-        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=c, scale=HEAD**-0.5,
+        return pa.paged_attention(q, kc, vc, table, lens, qsl, max_query_len=n, max_seq_len=longest, scale=HEAD**-0.5,
                                   min_query_len=n, **scales)
 
     o = fn().double()

@@ -478,22 +478,7 @@ def fork_server() -> None:
         raise SystemExit(f"fork server: importing vLLM imported {early}; engines would not read their own "
                          "KVCACHED_* settings (start them without the fork server: KVCACHED_E2E_FORK=0)")
     logs: dict[int, str] = {}
-
-    def reap(*_: object) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            log = logs.pop(pid, None)
-            if log:
-                with open(log + ".rc.tmp", "w") as f:
-                    f.write(str(os.waitstatus_to_exitcode(status)))
-                os.replace(log + ".rc.tmp", log + ".rc")
-
-    signal.signal(signal.SIGCHLD, reap)
+    signal.signal(signal.SIGCHLD, lambda *_: reap_engines(logs))
     replies.write("ready\n")
     for line in sys.stdin:
         request = json.loads(line)
@@ -507,6 +492,26 @@ def fork_server() -> None:
         logs[pid] = request["log"]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         replies.write(f"{pid}\n")
+
+
+def reap_engines(logs: dict[int, str]) -> None:
+    """Write each exited child's status to its ``logs[pid] + ".rc"``, then reap it. The order is the harness's
+    contract (``harness.ForkedEngine``): an engine's pid stays (a zombie) until its status is on disk, so a pid
+    that is gone with no status means the server is gone, never that the status is on its way."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # its status, not yet reaped
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        log = logs.pop(info.si_pid, None)
+        if log:
+            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status  # killed: minus the signal
+            with open(log + ".rc.tmp", "w") as f:
+                f.write(str(code))
+            os.replace(log + ".rc.tmp", log + ".rc")
+        os.waitpid(info.si_pid, 0)
 
 
 def _forked_engine(request: dict) -> None:

@@ -119,14 +119,10 @@ def spec_arg(spec: dict) -> str:
 class ForkedEngine:
     """An engine forked by a fork server (``engine_runner.fork_server``), with what the tests use of a Popen."""
 
-    status_wait_s = 10.0  # how long a reaped engine's status file is waited for
-
-    def __init__(self, pid: int, log: str, server: subprocess.Popen) -> None:
+    def __init__(self, pid: int, log: str) -> None:
         self.pid = pid
         self.log = log
-        self.server = server
         self.returncode: int | None = None
-        self._gone_at: float | None = None  # when its pid was first seen gone with no status written
 
     def _exited(self) -> bool:
         try:
@@ -136,15 +132,10 @@ class ForkedEngine:
         except FileNotFoundError:
             pass
         try:
-            os.kill(self.pid, 0)  # an exited engine stays a zombie until its server reaps it and writes .rc
+            os.kill(self.pid, 0)  # an exited engine stays a zombie until its server has written .rc and reaped it
             return False
-        except ProcessLookupError:
-            # Reaped: its server writes .rc just after waitpid, so wait for it while the server lives (for
-            # status_wait_s at most: a status never written must not hang the test). Only when the server is gone
-            # too (the engine was reparented and reaped elsewhere) or the wait is over is the status unknown.
-            if self._gone_at is None:
-                self._gone_at = time.monotonic()
-            return self.server.poll() is not None or time.monotonic() - self._gone_at > self.status_wait_s
+        except ProcessLookupError:  # its server is gone (the engine was reparented and reaped): status unknown
+            return True
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -204,7 +195,7 @@ def start_engine(spec: dict, env: dict[str, str]) -> subprocess.Popen | ForkedEn
         reply = server.stdout.readline().strip()
         if not reply.isdigit():
             raise AssertionError(f"the engine fork server did not fork (it said {reply!r}; its error is above)")
-        return ForkedEngine(int(reply), log, server)
+        return ForkedEngine(int(reply), log)
     return subprocess.Popen([sys.executable, str(RUNNER), spec_arg(spec)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
