@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,17 @@ CONFIGS = [
     ("kvcached contiguous, KVCACHED backend", {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "true"},
      {"attention_backend": "KVCACHED"}),
     ("vLLM TRITON_ATTN", {}, {"attention_backend": "TRITON_ATTN"}),
+    # diagnostics of the per-layer layout's cost (not in the default set): no prealloc thread (every page
+    # mapped inline, in the step), and a reserve of 40-80 pages (5-10 GiB mapped ahead) instead of 5-10
+    ("kvcached per-layer, no prealloc thread", {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "false",
+                                                "KVCACHED_PAGE_PREALLOC_ENABLED": "false"},
+     {"attention_backend": "FLASH_ATTN"}),
+    ("kvcached per-layer, reserve 40-80 pages", {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "false",
+                                                 "KVCACHED_MIN_RESERVED_PAGES": "40",
+                                                 "KVCACHED_MAX_RESERVED_PAGES": "80"},
+     {"attention_backend": "FLASH_ATTN"}),
 ]
+DEFAULT_CONFIGS = "0,1,2,3,4"
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -90,25 +101,53 @@ def child(spec: dict) -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t1
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-    backend = None
+    backend = runner = None
     try:
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
         backend = runner.attn_groups[0][0].backend.get_name()
     except Exception:
         pass
-    print("RESULT " + json.dumps({"rates": rates, "start_s": start_s, "backend": backend}), flush=True)
+    out = {"rates": rates, "start_s": start_s, "backend": backend}
+    if spec.get("bursty"):
+        out["bursty"] = bursty(llm, params, prompt_set, spec)
+    if spec.get("profile"):
+        from serving_profile import profile_generate
+
+        out["profile"] = profile_generate(llm, runner, lambda: llm.generate(prompt_set(99, spec["prompts"]), params,
+                                                                            use_tqdm=False))
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def bursty(llm, params, prompt_set, spec: dict) -> dict:
+    """Waves of requests with idle gaps between them, so that pages are mapped and unmapped during the run:
+    output tokens per second while a wave runs (the gaps left out) and how long each wave took."""
+    waves, size, gap = spec["bursty"]
+    took, tokens = [], 0
+    for w in range(waves):
+        prompts = prompt_set(1000 + w, size)
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        took.append(time.perf_counter() - t1)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        time.sleep(gap)  # idle: a kvcached engine gives its pages back
+    return {"rate": tokens / sum(took), "wave_s": [round(t, 3) for t in took], "waves": waves, "size": size,
+            "gap_s": gap}
 
 
 def run_config(model: str, args: argparse.Namespace, env_extra: dict, engine: dict) -> dict:
     spec = {"model": model, "prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "max_num_seqs": args.max_num_seqs, "runs": args.runs, "engine": engine}
+            "max_num_seqs": args.max_num_seqs, "runs": args.runs, "engine": engine, "profile": args.profile,
+            "bursty": [args.bursty_waves, args.bursty_size, args.bursty_gap] if args.bursty_waves else None}
     if env_extra:
         env_extra = {**env_extra, "KVCACHED_IPC_NAME": f"kvcached_bench_{os.getpid()}"}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=_env(env_extra),
                           capture_output=True, text=True, timeout=args.timeout)
+    # what the engine said about compilation and CUDA graphs: a config that ran without them is not comparable
+    notes = [ln.strip()[-160:] for ln in (proc.stdout + proc.stderr).splitlines()
+             if re.search(r"CUDA graph|cudagraph|torch.compile|Compil|enforce_eager|Graph capturing", ln)][:12]
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return {**json.loads(line[len("RESULT "):]), "log_notes": notes}
     tail = (proc.stdout + proc.stderr)[-1500:]
     return {"error": f"rc {proc.returncode}: {tail}"}
 
@@ -190,7 +229,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=400)
     ap.add_argument("--no-timeline", action="store_true")
-    ap.add_argument("--only", help="comma-separated config numbers (0-based); 'none' runs only the timeline")
+    ap.add_argument("--only", default=DEFAULT_CONFIGS,
+                    help="comma-separated config numbers (0-based, see CONFIGS); 'none' runs only the timeline")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, one more run profiled (serving_profile.py): host time in kvcached's "
+                         "hooks and vLLM's step, the VMM driver calls, GPU busy and idle time")
+    ap.add_argument("--bursty-waves", type=int, default=4, help="waves of the bursty row (0: none)")
+    ap.add_argument("--bursty-size", type=int, default=64, help="prompts a wave")
+    ap.add_argument("--bursty-gap", type=float, default=1.0, help="idle seconds after each wave")
     args = ap.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -209,8 +255,7 @@ def main() -> None:
     (model / "config.json").write_text(json.dumps(LLAMA3_8B))
     import vllm
 
-    chosen = (range(len(CONFIGS)) if not args.only else [] if args.only == "none"
-              else [int(i) for i in args.only.split(",")])
+    chosen = [] if args.only == "none" else [int(i) for i in args.only.split(",")]
     rows = {}
     for i in chosen:
         name, env_extra, engine = CONFIGS[i]
@@ -234,27 +279,37 @@ def write_table(rows: dict, args: argparse.Namespace, env: dict, slug: str, vers
     table = Table(f"vLLM {version} offline throughput, Llama-3-8B shape (dummy weights), {args.prompts} fresh "
                   f"random prompts per run x {args.input_len} in + {args.output_len} out, max {args.max_num_seqs} seqs",
                   ["configuration", "backend", "output tok/s (median)", "spread (min-max)", "vs vLLM FLASH_ATTN",
-                   "vs vLLM TRITON_ATTN", "engine start (s)"])
+                   "vs vLLM TRITON_ATTN", "bursty tok/s", "bursty vs vLLM FLASH_ATTN", "engine start (s)"])
     med = {n: statistics.median(r["rates"]) for n, r in rows.items() if "rates" in r}
-    fa, tri = med.get("vLLM FLASH_ATTN"), med.get("vLLM TRITON_ATTN")
+    burst = {n: r["bursty"]["rate"] for n, r in rows.items() if r.get("bursty")}
+    fa, tri, fa_b = med.get("vLLM FLASH_ATTN"), med.get("vLLM TRITON_ATTN"), burst.get("vLLM FLASH_ATTN")
     for name, r in rows.items():
         if "rates" not in r:
-            table.add(name, "failed", "-", "-", "-", "-", "-")
+            table.add(name, "failed", "-", "-", "-", "-", "-", "-", "-")
             table.notes.append(f"{name}: {r['error'][-300:]}")
             continue
-        m = med[name]
+        m, b = med[name], burst.get(name)
         table.add(name, r["backend"], m, f"{min(r['rates']):.0f}-{max(r['rates']):.0f}",
-                  f"{m / fa:.3f}" if fa else "-", f"{m / tri:.3f}" if tri else "-", r["start_s"])
-    table.notes += [
-        "goals: kvcached's overhead <= 1 % output tok/s against plain vLLM (same backend); the KVCACHED backend "
-        ">= TRITON_ATTN and >= 0.95x FLASH_ATTN",
-        "every engine: CUDA graphs (vLLM's default mode), async scheduling, vLLM's default gpu_memory_utilization "
-        "(so kvcached engines run uncapped: their memory follows the load)",
-    ]
+                  f"{m / fa:.3f}" if fa else "-", f"{m / tri:.3f}" if tri else "-",
+                  f"{b:.0f}" if b else "-", f"{b / fa_b:.3f}" if b and fa_b else "-", r["start_s"])
+    if burst:
+        any_b = next(r["bursty"] for r in rows.values() if r.get("bursty"))
+        table.notes.append(f"bursty: {any_b['waves']} waves of {any_b['size']} fresh prompts, each followed by "
+                           f"{any_b['gap_s']} s idle (a kvcached engine unmaps its pages then); output tok/s while "
+                           "the waves run, the idle gaps left out")
+    for name, r in rows.items():
+        for note in r.get("log_notes", [])[:4]:
+            table.notes.append(f"{name} engine log: {note}")
     header = "\n".join(f"- {k}: {v}" for k, v in env.items())
     text = f"# Serving throughput ({slug})\n\n{header}\n\n{table.markdown()}"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"serving_{slug}.md").write_text(text)
+    profiles = {n: r["profile"] for n, r in rows.items() if r.get("profile")}
+    if profiles:
+        from serving_profile import profile_markdown
+
+        (RESULTS / f"serving_profile_{slug}.md").write_text(
+            f"# Where a serving step's time goes ({slug})\n\n{header}\n\n" + profile_markdown(profiles))
     try:
         import matplotlib
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build kvcached, run the GPU tests and the benchmarks; everything lands under $OUT.
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|peers|aot|quick] [BUNDLE_DIR]
+#   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|peers|aot|quick|
+#                                                serve|coserving] [BUNDLE_DIR]
 # (tp: the tensor-parallel engine test alone, on the two-GPU machine, kind nvidia-h200-x2; timeline: the
 # two-engine plot of bench_serving alone; `all` runs neither, since vllm and serving hold them; peers:
 # bench_peers.py, our attention against vLLM's Triton attention, FA3 and SDPA; not in `all` either; aot: the
@@ -8,6 +9,9 @@
 # cores, which CI's 2-core job compiles in part)
 # With a vLLM bundle (../shared/tools/vllm-gpu-bundle/build.sh BUNDLE_DIR; default .gpu-bundle) vLLM's CUDA
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
+# serve: `vllm serve` over HTTP (tests/gpu/test_vllm_serve_gpu.py); coserving: benchmarks/bench_coserving.py, both
+# policies (COSERVING_POLICIES, default "static kvcached"; COSERVING_ARGS passed to each run), then its record.
+# Both need the HTTP server's wheels: bash benchmarks/serve_wheels.sh (.serve-wheels, carried beside the bundle).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
@@ -26,6 +30,13 @@ if [[ -f "$bundle/setup.sh" ]]; then
   log "vLLM bundle"
   # shellcheck disable=SC1091
   source "$bundle/setup.sh" && python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$OUT/session.log"
+fi
+
+if [[ -d .serve-wheels ]]; then
+  log "vLLM HTTP server wheels"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/serve-site .serve-wheels/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/serve-site
+  python3 -c "import vllm.entrypoints.openai.api_server" 2>&1 | tail -3 | tee -a "$OUT/session.log"
 fi
 
 log "build + install"
@@ -59,6 +70,20 @@ if [[ " ${what//,/ } " == *" tp "* ]]; then
   timeout "${VLLM_TESTS_TIMEOUT:-560}" python3 -m pytest -q -s tests/gpu/test_vllm_gpu.py -k tensor_parallel \
     -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_vllm_tp.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
 fi
+if [[ " ${what//,/ } " == *" serve "* ]]; then
+  log "vllm serve over HTTP"
+  KVCACHED_SERVE_LOG_DIR="$OUT/serve_logs" timeout "${SERVE_TIMEOUT:-420}" python3 -m pytest -q -s tests/gpu/test_vllm_serve_gpu.py -p no:cacheprovider \
+    --tb=short 2>&1 | tee "$OUT/gpu_serve_tests.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^WARNING" | tail -30
+fi
+if [[ " ${what//,/ } " == *" coserving "* ]]; then
+  for policy in ${COSERVING_POLICIES:-static kvcached}; do
+    log "bench_coserving $policy"
+    timeout "${COSERVING_TIMEOUT:-560}" python3 benchmarks/bench_coserving.py run --policy "$policy" \
+      --out "$OUT/coserving" ${COSERVING_ARGS:-} 2>&1 | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^WARNING" \
+      | tee "$OUT/coserving_$policy.log" | tail -20
+  done
+  python3 benchmarks/bench_coserving.py report "$OUT/coserving" --md "$OUT/coserving/coserving_h200.md" 2>&1 | tail -40
+fi
 if has serving; then
   log "bench_serving"
   timeout "${SERVING_TIMEOUT:-560}" python3 benchmarks/bench_serving.py ${SERVING_ARGS:-} 2>&1 | tee "$OUT/bench_serving.log" | tail -30
@@ -90,5 +115,8 @@ if [[ " ${what//,/ } " == *" peers "* ]]; then
   timeout "${PEERS_TIMEOUT:-480}" python3 benchmarks/bench_peers.py ${PEERS_ARGS:-} 2>&1 | tail -120 | tee "$OUT/bench_peers.log"
 fi
 log "collect"
-tar czf "$OUT/results.tar.gz" benchmarks/results
+# what comes back from $OUT is at most 8 files: everything in one archive beside session.log
+tar czf /tmp/kvcached_all.tar.gz benchmarks/results -C "$OUT" --exclude=session.log . 2>/dev/null
+find "$OUT" -mindepth 1 -not -name session.log -delete
+mv /tmp/kvcached_all.tar.gz "$OUT/all.tar.gz"
 log "done"

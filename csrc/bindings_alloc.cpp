@@ -167,7 +167,16 @@ void bind_allocators(py::module_& m) {
       .def("obtainable_pages", &PageAllocator::obtainable_pages)
       .def("phase_times", &PageAllocator::phase_times, py::call_guard<py::gil_scoped_release>(),
            "{step: (total µs, calls)} of the map/unmap steps since creation or reset_phase_times().")
-      .def("reset_phase_times", &PageAllocator::reset_phase_times, py::call_guard<py::gil_scoped_release>());
+      .def("reset_phase_times", &PageAllocator::reset_phase_times, py::call_guard<py::gil_scoped_release>())
+      .def("set_lazy_reserve_ms", [](PageAllocator& pa, py::object ms) {
+        int64_t v = py_int(ms, "ms");
+        py::gil_scoped_release rel;
+        pa.set_lazy_reserve_ms(v);
+      }, py::arg("ms"),
+           "Lazy reserve for serving engines (0: off): refill the reserve to max_reserved in one run, map the "
+           "reserve's shortfall with an inline map, keep freed pages mapped while the load reached them within "
+           "the last ms milliseconds.")
+      .def_property_readonly("lazy_reserve_ms", &PageAllocator::lazy_reserve_ms);
 
   py::class_<BlockPool, std::shared_ptr<BlockPool>>(m, "BlockPool")
       .def(py::init([](std::shared_ptr<PageAllocator> pa, py::object bpp, py::object num_blocks) {

@@ -138,9 +138,32 @@ bool PageAllocator::is_in_use(int64_t p) {
 
 void PageAllocator::publish_locked() {
   const int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  if (lazy_ms_.load(std::memory_order_relaxed) > 0 && in_use != in_use_.load(std::memory_order_relaxed)) {
+    while (!peaks_.empty() && peaks_.back().second <= in_use) peaks_.pop_back();
+    peaks_.emplace_back(std::chrono::steady_clock::now(), in_use);
+  }
   in_use_.store(in_use, std::memory_order_relaxed);
   if (in_use > peak_in_use_.load(std::memory_order_relaxed)) peak_in_use_.store(in_use, std::memory_order_relaxed);
   reserved_n_.store(static_cast<int64_t>(reserved_.size()), std::memory_order_relaxed);
+}
+
+void PageAllocator::set_lazy_reserve_ms(int64_t ms) {
+  if (ms < 0) throw_value("set_lazy_reserve_ms(ms) needs ms >= 0 (0: off), got " + std::to_string(ms) + ".");
+  std::lock_guard<std::mutex> lk(mu_);
+  lazy_ms_.store(ms, std::memory_order_relaxed);
+  peaks_.clear();
+  if (ms > 0) peaks_.emplace_back(std::chrono::steady_clock::now(), in_use_.load(std::memory_order_relaxed));
+  if (thread_.joinable()) cv_.notify_one();
+}
+
+int64_t PageAllocator::window_peak_locked(int64_t in_use) {
+  const int64_t ms = lazy_ms_.load(std::memory_order_relaxed);
+  if (ms <= 0) return in_use;
+  const auto oldest = std::chrono::steady_clock::now() - std::chrono::milliseconds(ms);
+  // An entry stands for its count from its time until the next entry's: drop one only when the
+  // next one is also older than the window (the count then fell inside it), never the last.
+  while (peaks_.size() > 1 && peaks_[1].first <= oldest) peaks_.pop_front();
+  return peaks_.empty() ? in_use : std::max(in_use, peaks_.front().second);
 }
 
 void PageAllocator::reset_peak() {
@@ -186,13 +209,36 @@ std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
                                           "limit).");
   }
   int64_t from_res = std::min<int64_t>(n, static_cast<int64_t>(reserved_.size()));
+  const int64_t need = n - from_res;
+  // lazy reserve: an inline map also maps the reserve's shortfall in the same run (the driver charges
+  // per run and region, not per page), so the next steps find pages mapped
+  int64_t extra = 0;
+  if (need > 0 && thread_.joinable() && lazy_ms_.load(std::memory_order_relaxed) > 0) {
+    const int64_t res_after = static_cast<int64_t>(reserved_.size()) - from_res;
+    extra = std::min({max_reserved_ - res_after, left - n - res_after,
+                      static_cast<int64_t>(free_.size()) - need});
+    extra = std::max<int64_t>(extra, 0);
+  }
   std::vector<int64_t> fresh;
-  for (auto it = free_.begin(); static_cast<int64_t>(fresh.size()) < n - from_res; ++it) fresh.push_back(*it);
-  map_locked(fresh);  // throws with nothing changed
-  for (int64_t p : fresh) {
+  for (auto it = free_.begin(); static_cast<int64_t>(fresh.size()) < need + extra; ++it) fresh.push_back(*it);
+  try {
+    map_locked(fresh);  // throws with nothing changed
+  } catch (const Error& e) {
+    if (extra == 0 || e.kind != ErrKind::OutOfMemory) throw;
+    fresh.resize(need);  // no memory for the reserve: map what was asked for alone
+    extra = 0;
+    map_locked(fresh);
+  }
+  for (int64_t i = 0; i < need + extra; ++i) {
+    const int64_t p = fresh[i];
     free_.erase(p);
-    set_state_locked(p, kInUse);
-    out.push_back(p);
+    if (i < need) {
+      set_state_locked(p, kInUse);
+      out.push_back(p);
+    } else {
+      set_state_locked(p, kReserved);
+      reserved_.insert(p);
+    }
   }
   take_reserved_locked(from_res, out);
   publish_locked();
@@ -408,11 +454,18 @@ void PageAllocator::thread_main() {
     int64_t res = static_cast<int64_t>(reserved_.size());
     int64_t limit = limit_.load();
     try {
-      int64_t keep = std::min(trimmed_ ? 0 : max_reserved_, limit - in_use);
+      const bool lazy = lazy_ms_.load(std::memory_order_relaxed) > 0;
+      // lazy: what the pages in use reached within the window stays mapped beside the reserve, unless the
+      // device is nearly full (another process sharing it may be waiting for memory)
+      const bool tight = rel_report_->free_bytes() < static_cast<size_t>(max_reserved_ + 1) * page_bytes_;
+      int64_t bound = trimmed_ ? 0 : max_reserved_ + (lazy && !tight ? window_peak_locked(in_use) - in_use : 0);
+      int64_t keep = std::min(bound, limit - in_use);
       if (res > keep) {
         shrink_reserved_locked(keep);
       } else if (!trimmed_ && !failed && res < min_reserved_) {
-        int64_t want = std::min({min_reserved_ - res, limit - in_use - res, static_cast<int64_t>(free_.size())});
+        // lazy: refill to the upper bound in one run (one set of driver calls per region), not page by page
+        int64_t target = lazy ? max_reserved_ : min_reserved_;
+        int64_t want = std::min({target - res, limit - in_use - res, static_cast<int64_t>(free_.size())});
         if (want > 0) {
           std::vector<int64_t> fresh(free_.begin(), std::next(free_.begin(), want));
           map_locked(fresh);

@@ -11,8 +11,10 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -73,6 +75,14 @@ class PageAllocator {
   // observer's sampling period still shows.
   int64_t peak_in_use() const { return peak_in_use_.load(std::memory_order_relaxed); }
   void reset_peak();
+  // Lazy reserve (serving engines; 0, the default, turns it off): the prealloc thread refills the
+  // reserve to max_reserved in one run once it falls below min_reserved, an allocation that must
+  // map inline maps the reserve's shortfall in the same run, and pages freed past the reserve
+  // bound stay mapped while the pages in use were that high within the last `ms` milliseconds.
+  // A serving step then rarely waits on the driver, and a load that falls for longer than `ms`
+  // still gives its memory back (the thread unmaps it within `ms` + 250 ms).
+  void set_lazy_reserve_ms(int64_t ms);
+  int64_t lazy_reserve_ms() const { return lazy_ms_.load(std::memory_order_relaxed); }
   int64_t min_reserved() const { return min_reserved_; }
   int64_t max_reserved() const { return max_reserved_; }
   size_t page_bytes() const { return page_bytes_; }
@@ -111,6 +121,8 @@ class PageAllocator {
   void shrink_reserved_locked(int64_t keep);
   void take_reserved_locked(int64_t n, std::vector<int64_t>& out);
   void publish_locked();
+  // Pages in use at most within the lazy window (the current count if the window is off or empty).
+  int64_t window_peak_locked(int64_t in_use);
   void thread_main();
   void stop_thread_locked() noexcept;  // thread_mu_ held
   void add_phase(const char* name, double us, int64_t calls = 1) {
@@ -143,6 +155,9 @@ class PageAllocator {
 
   std::atomic<int64_t> limit_;
   std::atomic<int64_t> in_use_{0}, reserved_n_{0}, peak_in_use_{0};  // written under mu_
+  std::atomic<int64_t> lazy_ms_{0};
+  // (time, pages in use) with decreasing counts: the front is the window's peak (guarded by mu_)
+  std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> peaks_;
   // The backend's free memory, read after each map, shrink and background release.
   std::shared_ptr<ReleaseReport> rel_report_ = std::make_shared<ReleaseReport>();
   std::atomic<bool> closed_{false};

@@ -144,6 +144,13 @@ def gpu_utilization() -> float:
     return env_float("KVCACHED_GPU_UTILIZATION", 0.95, low=0.01, high=1.0)
 
 
+def lazy_reserve_ms() -> int:
+    """``KVCACHED_LAZY_RESERVE_MS`` (serving engines; default 2000, 0 turns it off): pages freed past the
+    reserve stay mapped while the load reached them within this many milliseconds, the reserve refills in
+    whole runs, so a serving step rarely waits on the driver (see ``PageAllocator.set_lazy_reserve_ms``)."""
+    return env_int("KVCACHED_LAZY_RESERVE_MS", 2000, minimum=0, maximum=3_600_000)
+
+
 def max_cached_tokens() -> int:
     """Tokens kept as evictable prefix cache, ``KVCACHED_MAX_CACHED_TOKENS`` (<0: unlimited)."""
     return env_int("KVCACHED_MAX_CACHED_TOKENS", 16000)

@@ -114,3 +114,37 @@ def make_tiny_mamba_hybrid(path: str | Path, *, seed: int = 0) -> Path:
     )
     # time_step_limit (0, inf): JSON has no infinity, and it is the default anyway
     return _save_random(GraniteMoeHybridForCausalLM, config, path, seed, drop=("time_step_limit",))
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def make_shape_only_model(path: str | Path, config: dict) -> Path:
+    """A checkpoint folder of ``config`` (a Hugging Face config.json) without weights, for
+    ``load_format="dummy"``, and a tokenizer whose vocabulary is the config's.
+
+    The tokenizer encodes text byte by byte (no merges) and decodes any id of the model's
+    vocabulary (ids past the bytes decode as ``t<id>``), so an OpenAI server can detokenize
+    whatever random weights generate; it has a plain chat template for ``/v1/chat/completions``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = int(config["vocab_size"])
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for i in range(len(vocab), vocab_size - 2):
+        vocab[f"t{i}"] = i
+    vocab["<s>"], vocab["</s>"] = vocab_size - 2, vocab_size - 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    cfg = {**config, "bos_token_id": vocab_size - 2, "eos_token_id": vocab_size - 1}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path

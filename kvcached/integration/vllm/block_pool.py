@@ -18,11 +18,14 @@ Invariants:
   used cached blocks in place (still mapped), as vLLM's own pool does;
 - cached blocks are bounded by ``KVCACHED_MAX_CACHED_TOKENS`` (applied outside
   ``allocate_slots``) and are given back whole pages first, so evicting them
-  actually unmaps memory; so is a pool over its ``kvctl`` limit, at each step.
+  actually unmaps memory; so is a pool over its ``kvctl`` limit, at each step;
+- when the device is nearly full (fewer pages obtainable than the prealloc minimum),
+  a step gives every cached block back: an engine's prefix cache must never pin
+  memory that another engine sharing the device needs for live requests.
 """
-
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -37,6 +40,8 @@ from kvcached.integration.vllm import interfaces, kv_alloc, tp
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
+
+PRESSURE_CHECK_S = 0.1  # how often a step may read the device's free memory (one driver call)
 
 
 class KVCachedBlockPool(BlockPool):
@@ -62,6 +67,9 @@ class KVCachedBlockPool(BlockPool):
                                                       info.num_layers, num_kv_buffers=info.kv_factor,
                                                       group_id=info.group_id, pool_name="vllm",
                                                       reserve_null_block=True)
+            # a serving step must not wait on the driver: whole-run refills, freed pages kept while the load
+            # was that high within the window (memory still goes back once it has stayed down that long)
+            self.kv.page_allocator.set_lazy_reserve_ms(config.lazy_reserve_ms())
         cap = kv_alloc.memory_cap()
         if cap is not None:
             # vLLM's memory flag becomes this engine's limit, set as kvctl sets one, so kvctl shows and changes it
@@ -77,6 +85,8 @@ class KVCachedBlockPool(BlockPool):
         self._pending_need: int | None = None
         self._allocating = False
         self.max_cached_blocks = self._max_cached_blocks(info.block_size)
+        self._pressure_checked = 0.0
+        self.pressure_evictions = 0  # cached blocks given back because the device was nearly full
 
     @staticmethod
     def _max_cached_blocks(block_size: int) -> int:
@@ -232,11 +242,24 @@ class KVCachedBlockPool(BlockPool):
         return len(chosen)
 
     def shrink_to_limit(self) -> None:
-        """At a step's start: evict cached blocks while the pool holds more pages than its limit allows."""
+        """At a step's start: evict cached blocks while the pool holds more pages than its limit allows,
+        and all of them while the device is nearly full."""
+        if not self.free_block_queue.num_free_blocks:
+            return
         alloc = self.kv.page_allocator
         over = int(alloc.num_in_use) - int(alloc.limit_pages)
-        if over > 0 and self.free_block_queue.num_free_blocks:
+        if over > 0:
             self._evict(over * self.blocks_per_page)
+        elif self.free_block_queue.num_free_blocks and self._device_tight(alloc):
+            self.pressure_evictions += self._evict(self.free_block_queue.num_free_blocks)
+
+    def _device_tight(self, alloc: Any) -> bool:
+        now = time.monotonic()
+        if now - self._pressure_checked < PRESSURE_CHECK_S:
+            return False
+        self._pressure_checked = now
+        alloc.refresh_mem_info()  # other processes' use changes the free memory without telling us
+        return int(alloc.obtainable_pages()) < max(1, int(alloc.min_reserved))
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)

@@ -1,0 +1,132 @@
+"""The co-serving benchmark's trace, SLO arithmetic and record (``benchmarks/_coserving.py``,
+``benchmarks/bench_coserving.py report``), without engines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from _coserving import (  # noqa: E402
+    IdleModel,
+    Outcome,
+    attainment,
+    build_trace,
+    fit_idle,
+    load_trace,
+    max_rate,
+    meets_slo,
+    prompt_ids,
+    rate_grid,
+    zipf_weights,
+)
+
+MODELS = ["m0", "m1", "m2"]
+
+
+def test_committed_trace_is_the_azure_window() -> None:
+    rows = load_trace()
+    assert len(rows) == 1500 and rows[0].arrival_s == 0.0
+    assert all(b.arrival_s >= a.arrival_s for a, b in zip(rows, rows[1:], strict=False))
+    assert (rows[0].prompt_len, rows[0].output_len) == (374, 44)  # the trace's first request
+    assert 1000 < sum(r.prompt_len for r in rows) / len(rows) < 1100  # mean context 1067 tokens
+
+
+@pytest.mark.parametrize("rate", [2.0, 7.5, 20.0])
+def test_trace_is_scaled_to_the_rate(rate: float) -> None:
+    reqs = build_trace(MODELS, rate, 30.0, 1.5)
+    assert len(reqs) == round(rate * 30)
+    assert reqs[0].at_s == 0.0 and reqs[-1].at_s == pytest.approx(30.0, rel=1e-6)
+    rows = load_trace()[: len(reqs)]
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(r.prompt_len, r.output_len) for r in rows]
+    # bursts kept: inter-arrival gaps are the trace's, scaled by one factor
+    gaps = [b.at_s - a.at_s for a, b in zip(reqs, reqs[1:], strict=False)]
+    raw = [b.arrival_s - a.arrival_s for a, b in zip(rows, rows[1:], strict=False)]
+    k = gaps[5] / raw[5]
+    assert all(g == pytest.approx(k * r, abs=1e-9) for g, r in zip(gaps, raw, strict=True))
+
+
+def test_skew_rotates_the_hot_model_and_uniform_is_even() -> None:
+    reqs = build_trace(MODELS, 30.0, 45.0, 1.5)  # 1350 requests
+    n = len(reqs)
+    for third in range(3):
+        part = Counter(r.model for r in reqs[third * n // 3:(third + 1) * n // 3])
+        hot = MODELS[third]
+        assert part.most_common(1)[0][0] == hot
+        assert part[hot] / sum(part.values()) == pytest.approx(zipf_weights(3, 1.5)[0], abs=0.06)
+    even = Counter(r.model for r in build_trace(MODELS, 30.0, 45.0, 0.0))
+    assert all(abs(c / n - 1 / 3) < 0.05 for c in even.values())
+    assert build_trace(MODELS, 5.0, 20.0, 1.5, seed=3) == build_trace(MODELS, 5.0, 20.0, 1.5, seed=3)
+    assert build_trace(MODELS, 5.0, 20.0, 1.5, seed=3) != build_trace(MODELS, 5.0, 20.0, 1.5, seed=4)
+
+
+def test_trace_inputs_are_checked() -> None:
+    with pytest.raises(ValueError, match="1500"):
+        build_trace(MODELS, 100.0, 60.0, 1.0)
+    with pytest.raises(ValueError, match="> 0"):
+        build_trace(MODELS, 0.0, 10.0, 1.0)
+    with pytest.raises(ValueError, match="skew"):
+        zipf_weights(3, -1)
+    assert zipf_weights(3, 0) == [pytest.approx(1 / 3)] * 3
+    assert sum(zipf_weights(3, 1.5)) == pytest.approx(1.0)
+
+
+def test_prompt_ids_are_fixed_and_distinct() -> None:
+    a, b = build_trace(MODELS, 2.0, 10.0, 1.0)[:2]
+    assert prompt_ids(a) == prompt_ids(a) and len(prompt_ids(a)) == a.prompt_len
+    assert prompt_ids(a)[:8] != prompt_ids(b)[:8]  # no shared prefix between requests
+    assert all(3 <= t < 380 for t in prompt_ids(a, low=3, high=380))
+
+
+def test_idle_fit_and_slo() -> None:
+    samples = [(128, 0.020, 0.010), (1024, 0.060, 0.011), (4096, 0.200, 0.012), (1024, 0.062, 0.010)]
+    idle = fit_idle(samples)
+    assert idle.ttft_b == pytest.approx(4.4e-5, rel=0.1) and idle.tpot == pytest.approx(0.011)
+    assert idle.ttft(1024) == pytest.approx(0.0605, rel=0.1)
+    ok = Outcome(0, "m0", 1024, 10, 0.0, ttft_s=0.3, e2e_s=0.3 + 9 * 0.05, tokens=10)
+    assert ok.tpot_s == pytest.approx(0.05)
+    assert meets_slo(ok, idle, 5.0) and not meets_slo(ok, idle, 4.0)  # TTFT 0.3 s vs 5 x 0.06
+    slow_tpot = Outcome(0, "m0", 1024, 10, 0.0, ttft_s=0.1, e2e_s=0.1 + 9 * 0.06, tokens=10)
+    assert not meets_slo(slow_tpot, idle, 5.0)  # 60 ms > 5 x 11 ms
+    failed = Outcome(0, "m0", 1024, 10, 0.0, error="HTTP 500")
+    assert not meets_slo(failed, idle, 100.0)
+    assert attainment([ok, slow_tpot, failed, ok], {"m0": idle}, 5.0) == 0.5
+    with pytest.raises(ValueError, match="two"):
+        fit_idle([(1, 0.1, 0.01)])
+
+
+def test_max_rate_needs_every_lower_rate() -> None:
+    assert max_rate({1: 1.0, 2: 0.995, 4: 0.98, 8: 1.0}) == 2  # 8 meets it again, after a miss: not counted
+    assert max_rate({1: 0.9, 2: 1.0}) is None
+    assert max_rate({}) is None
+    assert max_rate({1: float("nan")}) is None
+    assert rate_grid(2, 10, 1.5) == [2, 3, 4.5, 6.75]
+
+
+def test_report_from_two_policies(tmp_path: Path) -> None:
+    import bench_coserving as bc
+
+    idle = {"m0": [(128, 0.02, 0.01), (1024, 0.06, 0.01)]}
+
+    def run(rate: float, ttft: float) -> dict:
+        outs = [Outcome(i, "m0", 128, 10, i / rate, ttft_s=ttft, e2e_s=ttft + 0.09, tokens=10, chunks=10).as_dict()
+                for i in range(20)]
+        return {"skew": 1.5, "rate": rate, "wall_s": 20 / rate, "outcomes": outs, "preemptions": {"m0": 0.0},
+                "mem": [[0.0, {"m0": 2 << 30}], [0.1, {"m0": 3 << 30}]]}
+
+    base = {"kv_bytes_each": 2 << 30, "models": ["m0"], "duration_s": 10, "idle": idle, "meta": {"gpu": "test"}}
+    static = {**base, "policy": "static", "runs": [run(1, 0.05), run(2, 0.05), run(4, 5.0)]}
+    kv = {**base, "policy": "kvcached", "runs": [run(1, 0.05), run(2, 0.05), run(4, 0.05)]}
+    (tmp_path / "coserving_static.json").write_text(json.dumps(static))
+    (tmp_path / "coserving_kvcached.json").write_text(json.dumps(kv))
+    md = tmp_path / "rec.md"
+    bc.report([str(tmp_path)], md, "test")
+    text = md.read_text()
+    assert "static 2, kvcached 4 req/s; ratio **2.00**" in text
+    assert (tmp_path / "rec.png").stat().st_size > 0 and (tmp_path / "rec_memory.png").stat().st_size > 0
+    assert isinstance(bc.summarize({"static": static})["idle"]["m0"], IdleModel)
