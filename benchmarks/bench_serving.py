@@ -144,7 +144,7 @@ def run_config(model: str, args: argparse.Namespace, env_extra: dict, engine: di
                           capture_output=True, text=True, timeout=args.timeout)
     # what the engine said about compilation and CUDA graphs: a config that ran without them is not comparable
     notes = [ln.strip()[-160:] for ln in (proc.stdout + proc.stderr).splitlines()
-             if re.search(r"CUDA graph|cudagraph|torch.compile|Compil|enforce_eager|Graph capturing", ln)][:12]
+             if re.search(r"Graph capturing finished|torch.compile took|enforce_eager=True", ln)][:12]
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return {**json.loads(line[len("RESULT "):]), "log_notes": notes}
@@ -236,7 +236,8 @@ def main() -> None:
                          "hooks and vLLM's step, the VMM driver calls, GPU busy and idle time")
     ap.add_argument("--bursty-waves", type=int, default=4, help="waves of the bursty row (0: none)")
     ap.add_argument("--bursty-size", type=int, default=64, help="prompts a wave")
-    ap.add_argument("--bursty-gap", type=float, default=1.0, help="idle seconds after each wave")
+    ap.add_argument("--bursty-gap", type=float, default=3.0,
+                    help="idle seconds after each wave (past the lazy reserve's 2 s: pages unmapped, mapped again)")
     args = ap.parse_args()
     if args.child:
         child(json.loads(args.child))
@@ -295,8 +296,10 @@ def write_table(rows: dict, args: argparse.Namespace, env: dict, slug: str, vers
     if burst:
         any_b = next(r["bursty"] for r in rows.values() if r.get("bursty"))
         table.notes.append(f"bursty: {any_b['waves']} waves of {any_b['size']} fresh prompts, each followed by "
-                           f"{any_b['gap_s']} s idle (a kvcached engine unmaps its pages then); output tok/s while "
-                           "the waves run, the idle gaps left out")
+                           f"{any_b['gap_s']} s idle; output tok/s while the waves run, the idle gaps left out. A "
+                           "kvcached engine keeps freed pages mapped for KVCACHED_LAZY_RESERVE_MS (2000 ms by "
+                           "default) after the load's peak: a gap longer than that unmaps them and the next wave "
+                           "maps them again")
     for name, r in rows.items():
         for note in r.get("log_notes", [])[:4]:
             table.notes.append(f"{name} engine log: {note}")

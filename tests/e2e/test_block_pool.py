@@ -177,3 +177,74 @@ def test_pool_needs_kvcached_allocation(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(KVCachedStateError, match="no worker placed the KV cache"):
         KVCachedBlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=16)
 
+
+
+def _squeeze_device(pool) -> int:
+    """Another engine took the rest of the device: the shared host budget now has nothing free."""
+    backend = pool.kv._runtime.backend
+    free, total = backend.mem_info()
+    backend.set_host_limit(total - free)
+    return total
+
+
+def test_cache_yields_when_the_device_is_full(make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcached.integration.vllm import block_pool as bp
+
+    pool = make_pool()
+    blocks = pool.get_new_blocks(BPP + 1)  # pages 0 and 1
+    _cache(pool, blocks)
+    pool.free_blocks(blocks)
+    pool.shrink_to_limit()  # a step with room on the device: the cache stays
+    assert pool.free_block_queue.num_free_blocks == BPP + 1 and _pages(pool) == 2
+    total = _squeeze_device(pool)
+    try:
+        monkeypatch.setattr(bp, "PRESSURE_CHECK_S", 0.0)  # the step above read the device a moment ago
+        pool.shrink_to_limit()  # the next step: the device is full, so the cache goes, whole pages with it
+        assert pool.free_block_queue.num_free_blocks == 0 and _pages(pool) == 1
+        assert pool.pressure_evictions == BPP + 1
+        assert all(b.block_hash is None for b in blocks)  # no stale prefix hit later
+    finally:
+        pool.kv._runtime.backend.set_host_limit(total)
+
+
+def test_idle_engine_gives_its_cache_back_without_a_step(make_pool) -> None:
+    import time
+
+    pool = make_pool()
+    blocks = pool.get_new_blocks(BPP + 1)
+    _cache(pool, blocks)
+    pool.free_blocks(blocks)
+    assert pool._relief is not None and pool._relief.is_alive()
+    total = _squeeze_device(pool)
+    try:
+        with pool.lock:  # a scheduler call in progress: the thread must leave the cache alone
+            time.sleep(0.6)
+            assert pool.free_block_queue.num_free_blocks == BPP + 1
+        deadline = time.monotonic() + 3
+        while pool.free_block_queue.num_free_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.free_block_queue.num_free_blocks == 0 and _pages(pool) == 1  # no step was needed
+    finally:
+        pool.kv._runtime.backend.set_host_limit(total)
+    pool.close()
+    assert not pool._relief.is_alive()
+
+
+def test_scheduler_calls_hold_the_pool_lock(make_pool) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvcached.integration.vllm import patches
+
+    names = ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache")
+    assert all(hasattr(Scheduler, n) for n in names)  # what patches wraps exists in this vLLM
+    pool = make_pool()
+
+    class FakeScheduler:  # wrapped the way patches wraps vLLM's (not applied here: it would patch this process)
+        kv_cache_manager = type("M", (), {"block_pool": pool})()
+
+        def schedule(self) -> bool:
+            return pool.lock._is_owned()
+
+    patches._under_pool_lock(FakeScheduler, "schedule")
+    assert FakeScheduler().schedule() is True
+    assert not pool.lock._is_owned()

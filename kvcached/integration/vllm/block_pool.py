@@ -20,11 +20,15 @@ Invariants:
   ``allocate_slots``) and are given back whole pages first, so evicting them
   actually unmaps memory; so is a pool over its ``kvctl`` limit, at each step;
 - when the device is nearly full (fewer pages obtainable than the prealloc minimum),
-  a step gives every cached block back: an engine's prefix cache must never pin
-  memory that another engine sharing the device needs for live requests.
+  every cached block is given back, at the next step or, for an engine with no step
+  coming (idle), by the pool's pressure thread: an engine's prefix cache must never pin
+  memory that another engine sharing the device needs for live requests. The thread
+  takes the pool's lock, which the scheduler holds around its calls that read or change
+  cached blocks (see ``patches``), so it never evicts in the middle of one.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -87,6 +91,12 @@ class KVCachedBlockPool(BlockPool):
         self.max_cached_blocks = self._max_cached_blocks(info.block_size)
         self._pressure_checked = 0.0
         self.pressure_evictions = 0  # cached blocks given back because the device was nearly full
+        self.lock = threading.RLock()
+        self._stop_relief = threading.Event()
+        self._relief: threading.Thread | None = None
+        if self.tp_changes is None and enable_caching:
+            self._relief = threading.Thread(target=self._relief_loop, name="kvcached-cache-relief", daemon=True)
+            self._relief.start()
 
     @staticmethod
     def _max_cached_blocks(block_size: int) -> int:
@@ -253,6 +263,32 @@ class KVCachedBlockPool(BlockPool):
         elif self.free_block_queue.num_free_blocks and self._device_tight(alloc):
             self.pressure_evictions += self._evict(self.free_block_queue.num_free_blocks)
 
+    def relieve_pressure(self) -> int:
+        """Give every cached block back if the device is nearly full; how many. Never waits: while the
+        scheduler holds the pool's lock (a step is running, and will check itself) it does nothing."""
+        if not self.free_block_queue.num_free_blocks or not self.lock.acquire(blocking=False):
+            return 0
+        try:
+            if self.kv is None or not self.free_block_queue.num_free_blocks:
+                return 0
+            if not self._device_tight(self.kv.page_allocator):
+                return 0
+            n = self._evict(self.free_block_queue.num_free_blocks)
+            self.pressure_evictions += n
+            return n
+        finally:
+            self.lock.release()
+
+    def _relief_loop(self) -> None:
+        warned = False
+        while not self._stop_relief.wait(2.5 * PRESSURE_CHECK_S):
+            try:
+                self.relieve_pressure()
+            except Exception as exc:  # a closed pool, a driver error: say it once, keep the engine running
+                if not warned:
+                    logger.warning("kvcached: the cache-relief thread could not check the device: %s", exc)
+                    warned = True
+
     def _device_tight(self, alloc: Any) -> bool:
         now = time.monotonic()
         if now - self._pressure_checked < PRESSURE_CHECK_S:
@@ -299,4 +335,8 @@ class KVCachedBlockPool(BlockPool):
         return max(0.0, self._num_in_use() / max(1, self.num_gpu_blocks - 1))
 
     def close(self) -> None:
-        self.kv.close()
+        self._stop_relief.set()
+        if self._relief is not None and self._relief is not threading.current_thread():
+            self._relief.join(timeout=5)
+        with self.lock:
+            self.kv.close()

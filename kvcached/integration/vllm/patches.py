@@ -180,6 +180,32 @@ def _patch_scheduler_side() -> None:
 
     sched.Scheduler.shutdown = scheduler_shutdown
 
+    # The scheduler's calls that read or change cached blocks run under the pool's lock, so the pool's
+    # pressure thread (KVCachedBlockPool.relieve_pressure) can give an idle engine's cache back between them.
+    for name in ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"):
+        if hasattr(sched.Scheduler, name):
+            _under_pool_lock(sched.Scheduler, name)
+
+
+def _under_pool_lock(owner: Any, name: str) -> None:
+    from kvcached.integration.vllm.block_pool import KVCachedBlockPool
+
+    original = getattr(owner, name)
+    if getattr(original, "_kvcached_locked", False):
+        return
+
+    @functools.wraps(original)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
+        lock = getattr(pool, "lock", None) if isinstance(pool, KVCachedBlockPool) else None
+        if lock is None:
+            return original(self, *args, **kwargs)
+        with lock:
+            return original(self, *args, **kwargs)
+
+    locked._kvcached_locked = True  # type: ignore[attr-defined]
+    setattr(owner, name, locked)
+
 
 def _run_after(owner: Any, name: str, hook: Any) -> None:
     """``owner.name`` then ``hook(self, result)``; the original's result is returned unchanged."""
