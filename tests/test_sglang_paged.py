@@ -9,9 +9,6 @@ for that SGLang page, and that our kernels read and write that layout.
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import pytest
 import torch
 
@@ -27,6 +24,7 @@ from kvcached.layout import (
     token_major_geometry,
     token_page_view,
 )
+from tests.sglang_support import exact_mapping_env
 
 MiB = 1 << 20
 LAYERS, HEADS, HEAD = 2, 2, 64
@@ -37,13 +35,7 @@ PAGE = 2 * MiB
 
 @pytest.fixture(params=[True, False], ids=["contiguous", "per_layer"])
 def sglang_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-    monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "32")
-    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", "true" if request.param else "false")
-    # no reserve: a page is mapped exactly while it holds a block, so mapping is checkable per page
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_PAGE_PREALLOC_ENABLED", "false")
+    exact_mapping_env(monkeypatch, request.param, host_mb=32)  # mapping is checkable per page
     sg.init_kvcached(device="cpu")
     yield request.param
     sg.shutdown_kvcached()

@@ -277,15 +277,6 @@ def _patch_cpu_executor() -> None:
     CpuPlatform.check_and_update_config = staticmethod(check_and_update_config)
 
 
-def _shutdown_at_exit() -> None:
-    from kvcached.integration.vllm import interfaces
-
-    try:
-        interfaces.shutdown_kvcached()
-    except Exception as exc:  # exiting anyway: say why instead of a traceback
-        logger.warning("kvcached shutdown at exit failed: %s", exc)
-
-
 def apply() -> None:
     """Install every hook (idempotent)."""
     global _applied
@@ -303,7 +294,10 @@ def apply() -> None:
         _patch_worker_side()
         _patch_scheduler_side()
         _patch_tensor_parallel()
-        atexit.register(_shutdown_at_exit)
+        from kvcached.integration.common import shutdown_at_exit
+        from kvcached.integration.vllm import interfaces
+
+        atexit.register(shutdown_at_exit(interfaces.shutdown_kvcached))
         _applied = True
         logger.info("kvcached: vLLM %s hooks installed (%s adapter, layout %s)", version, adapter,
                     "contiguous" if settings.contiguous_layout() else "per-layer")

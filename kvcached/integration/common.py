@@ -1,0 +1,64 @@
+"""What every engine integration shares: reading an engine's version, refusing one outside
+the range its hooks were written for, and shutting kvcached down at the process's exit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvcached.errors import KVCachedConfigError
+from kvcached.utils import get_kvcached_logger
+
+logger = get_kvcached_logger()
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``0.32.0``, ``0.32.1+cpu``, ``0.32.0rc1.dev5`` -> (0, 32, 0...); ValueError if unreadable."""
+    head = version.split("+", 1)[0]
+    parts: list[int] = []
+    for piece in head.split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):  # "0rc1": a pre-release of that number ends the release part
+            break
+    if len(parts) < 2:
+        raise ValueError(version)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts[:3])
+
+
+def check_range(engine: str, package: str, version: str, low: tuple[int, ...], high: tuple[int, ...],
+                spec: str) -> tuple[int, ...]:
+    """The release tuple of ``version``; :class:`KVCachedConfigError` unless ``low <= it < high`` (``spec``)."""
+    try:
+        release_ = release(str(version))
+    except ValueError:
+        raise KVCachedConfigError(
+            f"kvcached cannot read the {engine} version {version!r}; it supports {engine} {spec}. "
+            f"Install a supported {engine} or unset ENABLE_KVCACHED."
+        ) from None
+    if not (low <= release_ < high):
+        raise KVCachedConfigError(
+            f"kvcached does not support {engine} {version}: its hooks are written for {engine} {spec}. "
+            f"Install a supported {engine} (pip install '{package}{spec}'), or unset ENABLE_KVCACHED to run "
+            f"{engine} without kvcached."
+        )
+    return release_
+
+
+def shutdown_at_exit(shutdown: Callable[[], object]) -> Callable[[], None]:
+    """An atexit hook that runs ``shutdown`` and, the process exiting anyway, logs a failure instead of a traceback."""
+
+    def hook() -> None:
+        try:
+            shutdown()
+        except Exception as exc:
+            logger.warning("kvcached shutdown at exit failed: %s", exc)
+
+    return hook

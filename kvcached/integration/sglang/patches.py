@@ -1,0 +1,162 @@
+"""The hooks that put kvcached under an SGLang engine (0.5.17; applied once per process).
+
+Hook points (all in SGLang's installed source):
+- ``sglang/srt/mem_cache/kv_cache_configurator.py`` builds every KV pool and allocator
+  from names it imported: ``MHATokenToKVPool`` / ``MLATokenToKVPool`` /
+  ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` there become kvcached's
+  (:mod:`pools`, :mod:`allocator`), which covers plain MHA/GQA and MLA models and the
+  full-attention pool of hybrid linear-attention (Mamba/GDN) models with MHA; after
+  ``_init_pools`` a pool or allocator that is not kvcached's (SWA, DSA, FP4, NPU,
+  hierarchical or unified pools...) is an error, never a run without kvcached;
+- ``KVCacheConfigurator._profile_available_bytes``: on a GPU the KV budget is
+  ``--mem-fraction-static`` of the device less what this process holds through torch,
+  not the free memory that other engines' KV pages happen to leave;
+- ``RadixCache.cache_finished_req``: the evictable prefix cache is bounded by
+  ``KVCACHED_MAX_CACHED_TOKENS`` (as vLLM's prefix cache is), so evicted pages unmap;
+- ``SchedulerInvariantChecker._report_leak``: SGLang's idle check that free + cached
+  tokens equal the pool size does not hold when free means "can be mapped now" (a kvctl
+  limit or another engine lowers it); kvcached checks every freed id itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+from typing import Any
+
+from kvcached import config
+from kvcached.errors import KVCachedConfigError
+from kvcached.utils import get_kvcached_logger
+
+logger = get_kvcached_logger()
+
+_lock = threading.Lock()
+_applied = False
+GiB = 1 << 30
+
+
+def kv_budget_bytes(total: int, fraction: float, reserved: int) -> int:
+    """This engine's KV budget on a shared device: ``fraction`` of it less what the process already holds."""
+    if not 0 < fraction <= 1:
+        raise KVCachedConfigError(f"--mem-fraction-static must be in (0, 1], got {fraction!r}.")
+    budget = int(total * fraction) - int(reserved)
+    if budget <= 0:
+        raise KVCachedConfigError(
+            f"--mem-fraction-static={fraction} of {total} B leaves no KV memory after the {reserved} B this engine "
+            "holds already (weights, activations); raise --mem-fraction-static."
+        )
+    return budget
+
+
+def _patch_pool_classes() -> None:
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+
+    from kvcached.integration.sglang import allocator, pools
+
+    cfg.MHATokenToKVPool = pools.KvcachedMHATokenToKVPool
+    cfg.MLATokenToKVPool = pools.KvcachedMLATokenToKVPool
+    cfg.TokenToKVPoolAllocator = allocator.KvcachedTokenToKVPoolAllocator
+    cfg.PagedTokenToKVPoolAllocator = allocator.KvcachedPagedTokenToKVPoolAllocator
+
+    original = cfg.KVCacheConfigurator._init_pools
+
+    @functools.wraps(original)
+    def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        check_pools(result.token_to_kv_pool, result.token_to_kv_pool_allocator)
+        return result
+
+    cfg.KVCacheConfigurator._init_pools = _init_pools
+
+    profile = cfg.KVCacheConfigurator._profile_available_bytes
+
+    @functools.wraps(profile)
+    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
+        if not str(self.device).startswith(("cuda", "hip")):
+            return profile(self, pre_model_load_memory)
+        import torch
+
+        budget = kv_budget_bytes(int(torch.cuda.get_device_properties(self.gpu_id).total_memory),
+                                 float(cfg.get_schedule().mem_fraction_static),
+                                 int(torch.cuda.memory_reserved(self.gpu_id)))
+        if self.mambaish_config is not None:  # SGLang's own split between Mamba states and KV
+            budget = int(self._handle_max_mamba_cache(budget / GiB) * GiB)
+        logger.info("kvcached: SGLang KV budget %d B (--mem-fraction-static of the device)", budget)
+        return budget
+
+    cfg.KVCacheConfigurator._profile_available_bytes = _profile_available_bytes
+
+
+def check_pools(pool: Any, token_allocator: Any) -> None:
+    """KVCachedConfigError unless both come from kvcached (the model needs a pool kvcached lacks)."""
+    from kvcached.integration.sglang import pools
+
+    if not isinstance(token_allocator, _kvcached_allocators()):
+        raise KVCachedConfigError(
+            f"this SGLang configuration uses {type(token_allocator).__name__} over {type(pool).__name__}, which "
+            "kvcached does not provide (it covers MHA/GQA and MLA pools with page size 1 or more, and hybrid "
+            "linear attention's MHA pool). Unset ENABLE_KVCACHED for this model or option."
+        )
+    pools.manager_of(pool)
+
+
+def _patch_radix_cache() -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    original = RadixCache.cache_finished_req
+
+    @functools.wraps(original)
+    def cache_finished_req(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        # after the request's lock on its nodes is released: only unlocked (evictable) prefixes go
+        bound = config.max_cached_tokens()
+        if bound >= 0 and self.evictable_size_ > bound:
+            self.evict(EvictParams(num_tokens=self.evictable_size_ - bound))
+        return result
+
+    RadixCache.cache_finished_req = cache_finished_req
+
+
+def _patch_leak_check() -> None:
+    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+
+    original = SchedulerInvariantChecker._report_leak
+
+    @functools.wraps(original)
+    def _report_leak(self: Any, pool_name: str, token_msg: str) -> None:
+        if isinstance(getattr(self, "token_to_kv_pool_allocator", None), _kvcached_allocators()):
+            logger.debug("kvcached: SGLang's %s count check skipped (free = mappable now): %s", pool_name, token_msg)
+            return
+        original(self, pool_name, token_msg)
+
+    SchedulerInvariantChecker._report_leak = _report_leak
+
+
+def _kvcached_allocators() -> tuple[type, ...]:
+    from kvcached.integration.sglang import allocator
+
+    return allocator.KvcachedTokenToKVPoolAllocator, allocator.KvcachedPagedTokenToKVPoolAllocator
+
+
+def apply() -> str:
+    """Install every hook (idempotent); returns the SGLang version. KVCachedConfigError outside the range."""
+    global _applied
+    from kvcached.integration.sglang.version import check_sglang_version, installed_sglang_version
+
+    version = installed_sglang_version()
+    with _lock:
+        if _applied:
+            return version
+        check_sglang_version(version)
+        _patch_pool_classes()
+        _patch_radix_cache()
+        _patch_leak_check()
+        from kvcached.integration.common import shutdown_at_exit
+        from kvcached.integration.sglang import interfaces
+
+        atexit.register(shutdown_at_exit(interfaces.shutdown_kvcached))
+        _applied = True
+    logger.info("kvcached: SGLang %s hooks installed", version)
+    return version

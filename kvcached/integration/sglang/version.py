@@ -1,0 +1,33 @@
+"""Which SGLang versions kvcached's hooks are written for.
+
+The hooks replace classes that SGLang's ``KVCacheConfigurator`` builds the KV pools
+from; that module and the allocator package change between patch releases (0.5.15 has
+no ``kv_cache_configurator``; 0.5.21 moved and renamed pool modules), so any version
+outside the range is refused with an error rather than run without kvcached.
+"""
+
+from __future__ import annotations
+
+from kvcached.integration.common import check_range
+
+# [MIN_VERSION, MAX_VERSION_EXCLUSIVE): 0.5.17 is the newest SGLang whose wheels pin the torch
+# of the project's GPU machine (2.11.0); its classes are what the CPU tests construct.
+MIN_VERSION = (0, 5, 17)
+MAX_VERSION_EXCLUSIVE = (0, 5, 18)
+SUPPORTED_RANGE = ">=0.5.17,<0.5.18"
+
+
+def check_sglang_version(version: str) -> tuple[int, ...]:
+    """The release tuple of ``version``; :class:`KVCachedConfigError` unless it is in :data:`SUPPORTED_RANGE`."""
+    return check_range("SGLang", "sglang", version, MIN_VERSION, MAX_VERSION_EXCLUSIVE, SUPPORTED_RANGE)
+
+
+def installed_sglang_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:  # a source checkout on sys.path: its own attribute
+        import sglang
+
+        return str(getattr(sglang, "__version__", "unknown"))

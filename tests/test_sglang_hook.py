@@ -1,0 +1,264 @@
+"""kvcached's SGLang hook against SGLang's own classes (0.5.17), on the CPU host backend.
+
+SGLang's engine cannot run on this machine (docs/sglang.md), so these tests build what
+its ``KVCacheConfigurator`` builds, SGLang's pools, allocators, radix cache and Triton
+decode kernel, with and without kvcached, in both layouts and at page sizes 1 and 16.
+Skipped, with the reason, where SGLang does not import.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.sglang_support import exact_mapping_env, sglang_missing
+
+MISSING = sglang_missing()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+LAYERS, HEADS, DIM = 2, 4, 64
+TOKEN_BYTES = HEADS * DIM * 4  # float32: the Triton interpreter's dot is exact only on fp32
+
+
+@pytest.fixture(params=[True, False], ids=["contiguous", "per_layer"])
+def sgl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """The hooks applied, an engine's environment, and kvcached shut down afterwards."""
+    exact_mapping_env(monkeypatch, request.param, host_mb=96)
+    from kvcached.integration.sglang import interfaces, patches
+
+    assert patches.apply() == "0.5.17"
+    yield request.param
+    interfaces.shutdown_kvcached()
+
+
+def _pools(page: int, size: int = 4096, heads: int = HEADS, dim: int = DIM):
+    """(SGLang's pool and allocator, kvcached's pool and allocator), built as the configurator builds them."""
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    def build(pool_cls, token_cls, paged_cls):
+        pool = pool_cls(size, page_size=page, dtype=torch.float32, head_num=heads, head_dim=dim, layer_num=LAYERS,
+                        device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+        if page == 1:
+            return pool, token_cls(size, dtype=torch.float32, device="cpu", kvcache=pool, need_sort=False)
+        return pool, paged_cls(size, page_size=page, dtype=torch.float32, device="cpu", kvcache=pool,
+                               need_sort=False)
+
+    plain = build(MHATokenToKVPool, TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator)
+    ours = build(cfg.MHATokenToKVPool, cfg.TokenToKVPoolAllocator, cfg.PagedTokenToKVPoolAllocator)
+    return plain, ours
+
+
+def _extend(alloc, lens: list[int], prefix: list[int] | None = None, last: list[int] | None = None):
+    """SGLang's prefill allocation for requests of ``lens`` tokens (after ``prefix`` cached tokens)."""
+    prefix = prefix or [0] * len(lens)
+    last = last or [-1] * len(lens)
+    seq = torch.tensor([p + n for p, n in zip(prefix, lens, strict=True)])
+    pre = torch.tensor(prefix)
+    if alloc.page_size == 1:
+        return alloc.alloc(sum(lens))
+    return alloc.alloc_extend(pre, pre, seq, seq, torch.tensor(last), sum(lens))
+
+
+def test_configurator_builds_kvcached_classes(sgl):
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from kvcached.integration.sglang import allocator, patches, pools
+
+    assert cfg.MHATokenToKVPool is pools.KvcachedMHATokenToKVPool
+    assert cfg.MLATokenToKVPool is pools.KvcachedMLATokenToKVPool
+    assert cfg.TokenToKVPoolAllocator is allocator.KvcachedTokenToKVPoolAllocator
+    assert cfg.PagedTokenToKVPoolAllocator is allocator.KvcachedPagedTokenToKVPoolAllocator
+    (plain_pool, plain_alloc), (pool, alloc) = _pools(1)
+    patches.check_pools(pool, alloc)
+    # SGLang's isinstance checks (mamba radix cache, hierarchical cache) still see their classes
+    assert isinstance(pool, MHATokenToKVPool) and isinstance(alloc, TokenToKVPoolAllocator)
+    from kvcached.errors import KVCachedConfigError
+
+    with pytest.raises(KVCachedConfigError, match="TokenToKVPoolAllocator over MHATokenToKVPool"):
+        patches.check_pools(plain_pool, plain_alloc)
+    with pytest.raises(KVCachedConfigError, match="does not come from kvcached"):
+        patches.check_pools(plain_pool, alloc)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_decode_attention_reads_the_same_kv(sgl, page: int):
+    """SGLang's Triton decode kernel on kvcached's buffers equals it on SGLang's own (same K/V per request)."""
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    (plain_pool, plain_alloc), (pool, alloc) = _pools(page)
+    lens = [21, 40, 7]
+    gen = torch.Generator().manual_seed(0)
+    kv = [[torch.randn(sum(lens) + len(lens), HEADS, DIM, generator=gen) for _ in range(2)] for _ in range(LAYERS)]
+    q = torch.randn(len(lens), HEADS, DIM, generator=gen)
+    outs = []
+    for p, a in ((plain_pool, plain_alloc), (pool, alloc)):
+        locs = _extend(a, lens)
+        starts = torch.tensor([0, *lens]).cumsum(0)
+        last = [int(locs[int(starts[i + 1]) - 1]) for i in range(len(lens))]
+        seq = torch.tensor(lens) + 1
+        step = a.alloc(len(lens)) if page == 1 else a.alloc_decode(seq, seq, torch.tensor(last))
+        rows = [torch.cat([locs[int(starts[i]):int(starts[i + 1])], step[i:i + 1]]) for i in range(len(lens))]
+        indices = torch.cat(rows)
+        assert len(set(indices.tolist())) == len(indices)  # every token its own slot
+        for layer in range(LAYERS):
+            p.set_kv_buffer(SimpleNamespace(layer_id=layer), indices, kv[layer][0], kv[layer][1])
+        splits = 2
+        for layer in range(LAYERS):  # every layer after all were written: layers must not share memory
+            o = torch.zeros(len(lens), HEADS, DIM)
+            decode_attention_fwd(q, p.get_key_buffer(layer), p.get_value_buffer(layer), o,
+                                 torch.tensor([0, *[n + 1 for n in lens]]).cumsum(0).to(torch.int32), indices,
+                                 torch.empty(len(lens), HEADS, splits, DIM), torch.empty(len(lens), HEADS, splits),
+                                 torch.full((len(lens),), splits, dtype=torch.int32), splits, DIM ** -0.5, 1.0, 1.0)
+            outs.append(o)
+    assert torch.isfinite(outs[0]).all() and outs[0].abs().sum() > 0
+    assert not torch.equal(outs[0], outs[1])  # the layers' K/V differ, so must their outputs
+    for plain, ours in zip(outs[:LAYERS], outs[LAYERS:], strict=True):
+        torch.testing.assert_close(ours, plain, rtol=0, atol=0)
+    # and the bytes really live in kvcached's mapped pages: reading through the raw views gives them back
+    assert pool.kvcached_manager.num_allocated_blocks() == 1 + len(set((indices // page).tolist()))
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_mapped_memory_follows_a_burst(sgl, page: int, eventually):
+    (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)  # 4 KiB per token and layer: 512 tokens a kvcached page
+    kv = pool.kvcached_manager
+    idle = kv.mapped_bytes
+    assert idle == kv.page_group_bytes  # the padding page only
+    burst = [_extend(alloc, [1000, 700]), _extend(alloc, [1200])]
+    used = (kv.num_allocated_blocks() - 1) * page
+    assert used >= 2900 and alloc.available_size() == 4096 - used
+    assert kv.mapped_bytes >= idle + 5 * kv.page_group_bytes  # 2900 tokens: 511 share the padding page
+    # every slot holds its own bytes in every layer: no two slots (or layers) on one page, none on the zero page
+    slots = torch.cat(burst)
+    for layer in range(LAYERS):
+        k = (slots[:, None, None] * 10 + layer).float().expand(-1, 8, 128)
+        pool.set_kv_buffer(SimpleNamespace(layer_id=layer), slots, k, -k)
+    for layer in range(LAYERS):
+        want = (slots[:, None, None] * 10 + layer).float().expand(-1, 8, 128)
+        assert torch.equal(pool.get_key_buffer(layer)[slots], want)
+        assert torch.equal(pool.get_value_buffer(layer)[slots], -want)
+    for b in burst:
+        alloc.free(b)
+    assert kv.mapped_bytes == idle
+    # advisory: pages just unmapped count as held until the backend's thread has released them
+    assert eventually(lambda: alloc.available_size() == 4096)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_kvctl_limit_below_demand_makes_requests_wait(sgl, page: int, eventually):
+    """A limit lowers ``available_size`` (SGLang's admission check) and an allocation past it returns None
+    (SGLang's "not now": the request waits or is retracted), never raises; lifting it lets it through."""
+    from kvcached.cli import kvctl
+
+    (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)
+    kv = pool.kvcached_manager
+    held = _extend(alloc, [512])
+    assert alloc.available_size() >= 2048
+    name = os.environ["KVCACHED_IPC_NAME"]
+    limit_pages = 3
+    assert kvctl.main(["limit", name, str(limit_pages * kv.page_group_bytes)]) == 0
+    assert eventually(lambda: alloc.available_size() < 2048)
+    assert _extend(alloc, [2048]) is None  # over the limit: not now
+    assert kv.mapped_bytes <= limit_pages * kv.page_group_bytes
+    assert kvctl.main(["limit", name, "none"]) == 0
+    assert eventually(lambda: alloc.available_size() >= 2048)
+    later = _extend(alloc, [2048])
+    assert later is not None and len(later) == 2048
+    alloc.free(later)
+    alloc.free(held)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_radix_cache_is_bounded(sgl, page: int, monkeypatch: pytest.MonkeyPatch):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    bound = 400  # one finished request's prefix fits, two do not
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", str(bound))
+    (_, _), (pool, alloc) = _pools(page)
+    rtp = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
+    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
+                                       page_size=page))
+    for i in range(3):
+        n = 300 + 16 * i
+        locs = _extend(alloc, [n])
+        rtp.req_to_token[1, :n] = locs.to(torch.int32)
+        req = SimpleNamespace(req_pool_idx=1, origin_input_ids=[1000 * (i + 1) + t for t in range(n)], output_ids=[],
+                              cache_protected_len=0, last_node=None, extra_key=None, priority=0)
+        cache.cache_finished_req(req, kv_len_to_handle=n)
+        assert 0 < cache.evictable_size() <= bound
+    # what the tree keeps is all that stays allocated: evicted prefixes went back to kvcached
+    assert pool.kvcached_manager.num_allocated_blocks() == 1 + cache.evictable_size() // page
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")  # unlimited: SGLang's own behaviour
+    locs = _extend(alloc, [320])
+    rtp.req_to_token[1, :320] = locs.to(torch.int32)
+    cache.cache_finished_req(SimpleNamespace(req_pool_idx=1, origin_input_ids=list(range(320)), output_ids=[],
+                                             cache_protected_len=0, last_node=None, extra_key=None, priority=0),
+                             kv_len_to_handle=320)
+    assert cache.evictable_size() > bound
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_mla_pool(sgl, page: int):
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+
+    pool = cfg.MLATokenToKVPool(2048, page_size=page, dtype=torch.float32, kv_lora_rank=64, qk_rope_head_dim=32,
+                                layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    alloc = (cfg.TokenToKVPoolAllocator(2048, dtype=torch.float32, device="cpu", kvcache=pool, need_sort=False)
+             if page == 1 else cfg.PagedTokenToKVPoolAllocator(2048, page_size=page, dtype=torch.float32,
+                                                               device="cpu", kvcache=pool, need_sort=False))
+    assert pool.kv_buffer[0].shape == (2048 + page, 1, 96)
+    locs = _extend(alloc, [50, 33])
+    vals = torch.randn(len(locs), 1, 96)
+    pool.set_kv_buffer(SimpleNamespace(layer_id=1), locs, vals, None)
+    torch.testing.assert_close(pool.get_key_buffer(1)[locs], vals)
+    torch.testing.assert_close(pool.get_value_buffer(1)[locs], vals[..., :64])
+    assert pool.kvcached_manager.num_allocated_blocks() == 1 + len(set((locs // page).tolist()))
+    alloc.free(locs)
+    assert pool.kvcached_manager.num_allocated_blocks() == 1
+
+
+def test_double_free_raises(sgl):
+    (_, _), (pool, alloc) = _pools(16)
+    locs = _extend(alloc, [40])
+    alloc.free(locs)
+    with pytest.raises(ValueError):
+        alloc.free(locs)
+
+
+def test_refused_options(sgl):
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+
+    from kvcached.errors import KVCachedConfigError
+
+    common = dict(page_size=1, dtype=torch.float32, head_num=HEADS, head_dim=DIM, layer_num=LAYERS, device="cpu",
+                  enable_alt_stream=False)
+    for extra, what in (({"enable_memory_saver": True}, "enable_memory_saver"),
+                        ({"enable_memory_saver": False, "v_head_dim": 32}, "V head dim 32"),
+                        ({"enable_memory_saver": False, "kv_cache_layout": "page_major"}, "kv_cache_layout")):
+        with pytest.raises(KVCachedConfigError, match=what):
+            cfg.MHATokenToKVPool(1024, **common, **extra)
+    with pytest.raises(KVCachedConfigError, match="DSA"):
+        cfg.MLATokenToKVPool(1024, page_size=1, dtype=torch.float32, kv_lora_rank=64, qk_rope_head_dim=32,
+                             layer_num=LAYERS, device="cpu", enable_memory_saver=False, use_dsa=True)
+
+
+def test_leak_check_skipped_only_for_kvcached_allocators(sgl, monkeypatch: pytest.MonkeyPatch):
+    from sglang.srt.managers.scheduler_components import invariant_checker
+
+    reported = []
+    monkeypatch.setattr(invariant_checker, "raise_error_or_warn", lambda *args: reported.append(args[-1]))
+    (plain_pool, plain_alloc), (pool, alloc) = _pools(1)
+    report = invariant_checker.SchedulerInvariantChecker._report_leak
+    report(SimpleNamespace(token_to_kv_pool_allocator=alloc), "token_to_kv_pool", "free 10 != 12")
+    assert reported == []
+    report(SimpleNamespace(token_to_kv_pool_allocator=plain_alloc), "token_to_kv_pool", "free 10 != 12")
+    assert reported == ["token_to_kv_pool memory leak detected! free 10 != 12"]

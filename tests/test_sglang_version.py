@@ -1,0 +1,57 @@
+"""kvcached's SGLang entry point and version gate; runs without SGLang installed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcached.errors import KVCachedConfigError
+from kvcached.integration.sglang import patches, plugin, version
+
+
+@pytest.mark.parametrize("good", ["0.5.17", "0.5.17.post1", "0.5.17rc1.dev3+cu130"])
+def test_supported_versions(good: str):
+    assert version.check_sglang_version(good)[:3] == (0, 5, 17)
+
+
+@pytest.mark.parametrize("bad", ["0.5.16", "0.5.18", "0.5.21", "0.4.9", "1.0.0"])
+def test_versions_outside_the_range_are_refused(bad: str):
+    with pytest.raises(KVCachedConfigError, match=r"does not support SGLang .*>=0\.5\.17,<0\.5\.18"):
+        version.check_sglang_version(bad)
+
+
+def test_unreadable_version_is_refused():
+    with pytest.raises(KVCachedConfigError, match="cannot read the SGLang version 'main'"):
+        version.check_sglang_version("main")
+
+
+def test_plugin_is_inert_unless_enabled(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
+    monkeypatch.setattr(patches, "apply", lambda: pytest.fail("hooks installed without ENABLE_KVCACHED"))
+    plugin.register()
+
+
+def test_plugin_exits_on_an_unsupported_sglang(monkeypatch: pytest.MonkeyPatch):
+    """SGLang logs and ignores a plugin's exception; a refusal must stop the process instead."""
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setattr(version, "installed_sglang_version", lambda: "0.5.21")
+    monkeypatch.setattr(patches, "_applied", False)
+    with pytest.raises(SystemExit, match=r"kvcached: kvcached does not support SGLang 0\.5\.21"):
+        plugin.register()
+    assert patches._applied is False
+
+
+def test_entry_point_declared():
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()  # tomllib is 3.11+
+    section = text.split('[project.entry-points."sglang.srt.plugins"]\n', 1)[1].split("\n[", 1)[0]
+    assert section.strip() == 'kvcached = "kvcached.integration.sglang.plugin:register"'
+    assert callable(plugin.register)
+
+
+def test_kv_budget_is_the_engines_share_of_the_device():
+    assert patches.kv_budget_bytes(100 << 30, 0.5, 10 << 30) == 40 << 30
+    with pytest.raises(KVCachedConfigError, match="leaves no KV memory"):
+        patches.kv_budget_bytes(100 << 30, 0.1, 10 << 30)
+    with pytest.raises(KVCachedConfigError, match=r"must be in \(0, 1\]"):
+        patches.kv_budget_bytes(100 << 30, 1.5, 0)
