@@ -262,3 +262,52 @@ def test_leak_check_skipped_only_for_kvcached_allocators(sgl, monkeypatch: pytes
     assert reported == []
     report(SimpleNamespace(token_to_kv_pool_allocator=plain_alloc), "token_to_kv_pool", "free 10 != 12")
     assert reported == ["token_to_kv_pool memory leak detected! free 10 != 12"]
+
+
+@pytest.fixture
+def entry_point_installed(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """kvcached's ``sglang.srt.plugins`` entry point as an installed distribution declares it, and SGLang's
+    loader ready to load plugins again."""
+    import sys
+
+    import sglang.srt.plugins as plugins
+
+    info = tmp_path / "kvcached_sglang_test-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcached-sglang-test\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\nkvcached = kvcached.integration.sglang.plugin:register\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.setenv("SGLANG_PLUGINS", "kvcached")
+    return plugins
+
+
+def test_sglang_loads_the_plugin(entry_point_installed, monkeypatch: pytest.MonkeyPatch):
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from kvcached.integration.sglang import patches, pools
+
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setattr(patches, "_applied", False)
+    monkeypatch.setattr(cfg, "MHATokenToKVPool", MHATokenToKVPool)  # SGLang's own, as before any hook
+    entry_point_installed.load_plugins()
+    assert cfg.MHATokenToKVPool is pools.KvcachedMHATokenToKVPool
+    bounded = RadixCache.cache_finished_req
+    assert bounded._kvcached
+    monkeypatch.setattr(patches, "_applied", False)
+    patches.apply()  # again: no second wrapper
+    assert RadixCache.cache_finished_req is bounded
+
+
+def test_sglang_stops_on_an_unsupported_version(entry_point_installed, monkeypatch: pytest.MonkeyPatch):
+    """SGLang's loader logs and skips a failing plugin; kvcached's refusal gets through it and stops the process."""
+    from kvcached.integration.sglang import patches, version
+
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setattr(patches, "_applied", False)
+    monkeypatch.setattr(version, "installed_sglang_version", lambda: "0.5.21")
+    with pytest.raises(SystemExit, match=r"does not support SGLang 0\.5\.21"):
+        entry_point_installed.load_plugins()

@@ -49,6 +49,16 @@ def kv_budget_bytes(total: int, fraction: float, reserved: int) -> int:
     return budget
 
 
+def _replace(owner: Any, name: str, make: Any) -> None:
+    """``owner.name = make(original)`` once: a wrapper is marked, so applying again never stacks wrappers."""
+    original = getattr(owner, name)
+    if getattr(original, "_kvcached", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper._kvcached = True
+    setattr(owner, name, wrapper)
+
+
 def _patch_pool_classes() -> None:
     import sglang.srt.mem_cache.kv_cache_configurator as cfg
 
@@ -59,33 +69,32 @@ def _patch_pool_classes() -> None:
     cfg.TokenToKVPoolAllocator = allocator.KvcachedTokenToKVPoolAllocator
     cfg.PagedTokenToKVPoolAllocator = allocator.KvcachedPagedTokenToKVPoolAllocator
 
-    original = cfg.KVCacheConfigurator._init_pools
+    def checked_init_pools(original: Any) -> Any:
+        def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            check_pools(result.token_to_kv_pool, result.token_to_kv_pool_allocator)
+            return result
 
-    @functools.wraps(original)
-    def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        check_pools(result.token_to_kv_pool, result.token_to_kv_pool_allocator)
-        return result
+        return _init_pools
 
-    cfg.KVCacheConfigurator._init_pools = _init_pools
+    def device_share(profile: Any) -> Any:
+        def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
+            if not str(self.device).startswith(("cuda", "hip")):
+                return profile(self, pre_model_load_memory)
+            import torch
 
-    profile = cfg.KVCacheConfigurator._profile_available_bytes
+            budget = kv_budget_bytes(int(torch.cuda.get_device_properties(self.gpu_id).total_memory),
+                                     float(cfg.get_schedule().mem_fraction_static),
+                                     int(torch.cuda.memory_reserved(self.gpu_id)))
+            if self.mambaish_config is not None:  # SGLang's own split between Mamba states and KV
+                budget = int(self._handle_max_mamba_cache(budget / GiB) * GiB)
+            logger.info("kvcached: SGLang KV budget %d B (--mem-fraction-static of the device)", budget)
+            return budget
 
-    @functools.wraps(profile)
-    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
-        if not str(self.device).startswith(("cuda", "hip")):
-            return profile(self, pre_model_load_memory)
-        import torch
+        return _profile_available_bytes
 
-        budget = kv_budget_bytes(int(torch.cuda.get_device_properties(self.gpu_id).total_memory),
-                                 float(cfg.get_schedule().mem_fraction_static),
-                                 int(torch.cuda.memory_reserved(self.gpu_id)))
-        if self.mambaish_config is not None:  # SGLang's own split between Mamba states and KV
-            budget = int(self._handle_max_mamba_cache(budget / GiB) * GiB)
-        logger.info("kvcached: SGLang KV budget %d B (--mem-fraction-static of the device)", budget)
-        return budget
-
-    cfg.KVCacheConfigurator._profile_available_bytes = _profile_available_bytes
+    _replace(cfg.KVCacheConfigurator, "_init_pools", checked_init_pools)
+    _replace(cfg.KVCacheConfigurator, "_profile_available_bytes", device_share)
 
 
 def check_pools(pool: Any, token_allocator: Any) -> None:
@@ -105,33 +114,34 @@ def _patch_radix_cache() -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    original = RadixCache.cache_finished_req
+    def bounded(original: Any) -> Any:
+        def cache_finished_req(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            # after the request's lock on its nodes is released: only unlocked (evictable) prefixes go
+            bound = config.max_cached_tokens()
+            if bound >= 0 and self.evictable_size_ > bound:
+                self.evict(EvictParams(num_tokens=self.evictable_size_ - bound))
+            return result
 
-    @functools.wraps(original)
-    def cache_finished_req(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        # after the request's lock on its nodes is released: only unlocked (evictable) prefixes go
-        bound = config.max_cached_tokens()
-        if bound >= 0 and self.evictable_size_ > bound:
-            self.evict(EvictParams(num_tokens=self.evictable_size_ - bound))
-        return result
+        return cache_finished_req
 
-    RadixCache.cache_finished_req = cache_finished_req
+    _replace(RadixCache, "cache_finished_req", bounded)
 
 
 def _patch_leak_check() -> None:
     from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 
-    original = SchedulerInvariantChecker._report_leak
+    def counted_by_kvcached(original: Any) -> Any:
+        def _report_leak(self: Any, pool_name: str, token_msg: str) -> None:
+            if isinstance(getattr(self, "token_to_kv_pool_allocator", None), _kvcached_allocators()):
+                logger.debug("kvcached: SGLang's %s count check skipped (free = mappable now): %s", pool_name,
+                             token_msg)
+                return
+            original(self, pool_name, token_msg)
 
-    @functools.wraps(original)
-    def _report_leak(self: Any, pool_name: str, token_msg: str) -> None:
-        if isinstance(getattr(self, "token_to_kv_pool_allocator", None), _kvcached_allocators()):
-            logger.debug("kvcached: SGLang's %s count check skipped (free = mappable now): %s", pool_name, token_msg)
-            return
-        original(self, pool_name, token_msg)
+        return _report_leak
 
-    SchedulerInvariantChecker._report_leak = _report_leak
+    _replace(SchedulerInvariantChecker, "_report_leak", counted_by_kvcached)
 
 
 def _kvcached_allocators() -> tuple[type, ...]:
