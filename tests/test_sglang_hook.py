@@ -251,6 +251,15 @@ def test_refused_options(sgl):
                              layer_num=LAYERS, device="cpu", enable_memory_saver=False, use_dsa=True)
 
 
+def test_more_than_one_rank_is_refused(sgl, monkeypatch: pytest.MonkeyPatch):
+    from kvcached.errors import KVCachedConfigError
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    with pytest.raises(KVCachedConfigError, match="2 ranks"):
+        _pools(1)
+
+
 def test_leak_check_skipped_only_for_kvcached_allocators(sgl, monkeypatch: pytest.MonkeyPatch):
     from sglang.srt.managers.scheduler_components import invariant_checker
 

@@ -41,6 +41,15 @@ def _refuse(pool: str, what: str) -> None:
                               "to run this configuration without kvcached.")
 
 
+def _single_rank(pool: str) -> None:
+    """Each SGLang rank (TP/PP/DP) runs a scheduler of its own that must decide as the others do; kvcached's
+    per-rank availability would differ between GPUs, so more than one rank is refused."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        ranks = torch.distributed.get_world_size()
+        if ranks > 1:
+            _refuse(pool, f"{ranks} ranks (tensor, pipeline or data parallelism); it runs one GPU per engine")
+
+
 def _kv_views(kind: str, rows: int, heads: int, dim: int, dtype: torch.dtype, device: Any, layers: int,
               page_size: int) -> tuple[Any, KVCacheManager]:
     """Per-layer views of ``rows`` tokens in a fresh kvcached group, and the group's manager."""
@@ -88,6 +97,7 @@ class KvcachedMHATokenToKVPool(MHATokenToKVPool):
             _refuse("MHA", "a custom memory pool (NVLink disaggregation)")
         if self.v_head_dim != self.head_dim:
             _refuse("MHA", f"V head dim {self.v_head_dim} != K head dim {self.head_dim}")
+        _single_rank("MHA")
         (self.k_buffer, self.v_buffer), self.kvcached_manager = _kv_views(
             "MHA", self.size + self.page_size, self.head_num, self.head_dim, self.store_dtype, self.device,
             self.layer_num, self.page_size)
@@ -107,6 +117,7 @@ class KvcachedMLATokenToKVPool(MLATokenToKVPool):
     def _create_buffers(self) -> None:  # called by MLATokenToKVPool.__init__
         if self.custom_mem_pool is not None:
             _refuse("MLA", "a custom memory pool (NVLink disaggregation)")
+        _single_rank("MLA")
         self.kv_buffer, self.kvcached_manager = _kv_views(
             "MLA", self.size + self.page_size, 1, self.kv_cache_dim, self.store_dtype, self.device,
             self.layer_num, self.page_size)

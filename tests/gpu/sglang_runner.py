@@ -1,0 +1,84 @@
+"""One SGLang engine in its own process, for tests/gpu/test_sglang_gpu.py.
+
+    python tests/gpu/sglang_runner.py SPEC_JSON OUT_JSON
+
+SPEC: ``model``, ``page_size``, ``prompts``, ``max_tokens``, optional ``burst`` (prompts), ``burst_tokens``,
+``limit_bytes`` (a kvctl limit set on this engine's segment before the burst), ``mem_fraction_static``,
+``ready_file`` / ``wait_file`` (written once the engine is up / waited for before the burst: two engines
+burst together).
+OUT: the greedy ``tokens`` of ``prompts`` and of ``burst``, and (with kvcached) ``idle_used``,
+``peak_used`` and ``after_used``: the bytes of KV pages in use on this engine's segment before,
+at most during, and after the burst. Every request must finish: a failure is an exception here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+
+def _used(name: str | None) -> int:
+    if not name:
+        return -1
+    from kvcached import mem_info
+
+    try:
+        return int(mem_info.read_segment(name).used_size)
+    except (OSError, ValueError):
+        return -1
+
+
+def _tokens(engine: object, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    outs = engine.generate(prompt=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": max_tokens,
+                                                            "ignore_eos": True})
+    return [list(o["output_ids"]) for o in outs]
+
+
+def main(spec: dict, out_path: str) -> None:
+    import sglang
+
+    name = os.environ.get("KVCACHED_IPC_NAME") if os.environ.get("ENABLE_KVCACHED") == "true" else None
+    engine = sglang.Engine(model_path=spec["model"], page_size=spec.get("page_size", 1), attention_backend="triton",
+                           sampling_backend="pytorch", mem_fraction_static=spec.get("mem_fraction_static", 0.2),
+                           disable_cuda_graph=spec.get("disable_cuda_graph", False), log_level="warning",
+                           context_length=1024, random_seed=0)
+    out: dict = {"pid": os.getpid(), "tokens": _tokens(engine, spec["prompts"], spec["max_tokens"])}
+    if spec.get("ready_file"):
+        open(spec["ready_file"], "w").close()
+    if spec.get("burst"):
+        if spec.get("limit_bytes") is not None:
+            from kvcached import mem_info
+
+            mem_info.write_limit(name, int(spec["limit_bytes"]))
+        out["idle_used"] = _used(name)
+        peak = [out["idle_used"]]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _used(name))
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        if spec.get("wait_file"):
+            while not os.path.exists(spec["wait_file"]):
+                time.sleep(0.05)
+        out["burst_tokens"] = _tokens(engine, spec["burst"], spec["burst_tokens"])
+        done.set()
+        sampler.join()
+        out["peak_used"] = peak[0]
+        deadline = time.time() + 30  # finished requests' pages are given back as SGLang frees them
+        while _used(name) > out["idle_used"] and time.time() < deadline:
+            time.sleep(0.1)
+        out["after_used"] = _used(name)
+    engine.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,116 @@
+"""kvcached under SGLang 0.5.17 on a real GPU: same greedy tokens, memory that follows load, limits that make
+requests wait, and an SGLang and a vLLM engine sharing one device.
+
+Needs a GPU and SGLang (on our H200: ``benchmarks/gpu_session.sh sglang`` with the SGLang bundle, docs/sglang.md);
+skipped otherwise. NOT YET RUN: written in a session without GPU time. Every engine runs in its own process
+(``sglang_runner.py``) on a 4-layer Llama made here (no downloads), SGLang's Triton attention backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+E2E = HERE.parent / "e2e"
+sys.path.insert(0, str(E2E))
+from harness import engine_env  # noqa: E402
+from tiny_model import BURST_PROMPTS, PROMPTS, make_tiny_model  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed"),
+]
+MiB = 1 << 20
+SHORT = {"prompts": PROMPTS * 2, "max_tokens": 32}
+BURST = {"burst": BURST_PROMPTS, "burst_tokens": 200}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("sgl_llama"), hidden_size=512, num_heads=8, num_kv_heads=2,
+                               num_layers=4))
+
+
+def _env(kvcached: bool, name: str, **extra: str) -> dict[str, str]:
+    env = engine_env(cpu=False, SGLANG_PLUGINS="kvcached")
+    if kvcached:
+        env.update(ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name, KVCACHED_MAX_CACHED_TOKENS="0")
+    env.update(extra)
+    return env
+
+
+def _start(spec: dict, env: dict[str, str], out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "sglang_runner.py"), json.dumps(spec), str(out)], env=env)
+
+
+def _finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> dict:
+    assert proc.wait(timeout=timeout) == 0, f"engine {proc.pid} failed (see its output above)"
+    return json.loads(out.read_text())
+
+
+def _run(spec: dict, env: dict[str, str], tmp: Path, tag: str) -> dict:
+    return _finish(_start(spec, env, tmp / f"{tag}.json"), tmp / f"{tag}.json")
+
+
+@pytest.fixture(scope="module")
+def plain(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    tmp = tmp_path_factory.mktemp("plain")
+    return {page: _run({"model": model, "page_size": page, **SHORT, **BURST}, _env(False, ""), tmp, f"p{page}")
+            for page in (1, 16)}
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("layout", ["contiguous", "per_layer"])
+def test_greedy_tokens_equal_plain_sglang_and_memory_follows_load(model: str, plain: dict, page: int, layout: str,
+                                                                    tmp_path: Path) -> None:
+    env = _env(True, f"sgl_{layout}_{page}_{os.getpid()}",
+               KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false")
+    r = _run({"model": model, "page_size": page, **SHORT, **BURST}, env, tmp_path, "kv")
+    assert r["tokens"] == plain[page]["tokens"]
+    assert r["burst_tokens"] == plain[page]["burst_tokens"]
+    assert r["peak_used"] > r["idle_used"] + 4 * MiB  # the burst mapped pages
+    assert r["after_used"] <= r["idle_used"]  # and gave them back
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_kvctl_limit_below_demand_makes_requests_wait(model: str, plain: dict, page: int, tmp_path: Path) -> None:
+    """48 requests x ~210 tokens under a limit of a few pages: they wait (or are retracted), none fails."""
+    env = _env(True, f"sgl_limit_{page}_{os.getpid()}")
+    r = _run({"model": model, "page_size": page, **SHORT, **BURST, "limit_bytes": 24 * MiB}, env, tmp_path, "lim")
+    assert r["burst_tokens"] == plain[page]["burst_tokens"]
+    assert r["peak_used"] <= 24 * MiB
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_sglang_and_vllm_share_the_device(model: str, plain: dict, tmp_path: Path) -> None:
+    """Both engines burst at once on one GPU through kvcached; each gives the tokens it gives alone."""
+    from harness import finish_engine, start_engine
+
+    go = tmp_path / "go"
+    vllm_spec = {"model": model, "prompts": BURST_PROMPTS, "max_tokens": 200, "max_model_len": 512,
+                 "dtype": "bfloat16", "gpu_memory_utilization": 0.2}
+    alone = finish_engine(start_engine(vllm_spec, engine_env(cpu=False)), timeout=600)
+    sgl = _start({"model": model, "page_size": 16, **SHORT, **BURST, "ready_file": str(tmp_path / "sgl_ready"),
+                  "wait_file": str(go)}, _env(True, f"share_sgl_{os.getpid()}"), tmp_path / "sgl.json")
+    name = f"share_vllm_{os.getpid()}"
+    vllm_proc = start_engine({**vllm_spec, "ipc_name": name, "ready_file": str(tmp_path / "vllm_ready"),
+                              "wait_file": str(go)},
+                             engine_env(cpu=False, ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name,
+                                        KVCACHED_MAX_CACHED_TOKENS="0"))
+    deadline = time.time() + 600
+    while not ((tmp_path / "sgl_ready").exists() and (tmp_path / "vllm_ready").exists()):
+        assert time.time() < deadline and sgl.poll() is None, "an engine did not start"
+        time.sleep(0.5)
+    go.touch()
+    s = _finish(sgl, tmp_path / "sgl.json")
+    v = finish_engine(vllm_proc, timeout=600)
+    assert s["burst_tokens"] == plain[16]["burst_tokens"]
+    assert v["all_tokens"] == alone["all_tokens"]
