@@ -320,3 +320,20 @@ def test_sglang_stops_on_an_unsupported_version(entry_point_installed, monkeypat
     monkeypatch.setattr(version, "installed_sglang_version", lambda: "0.5.21")
     with pytest.raises(SystemExit, match=r"does not support SGLang 0\.5\.21"):
         entry_point_installed.load_plugins()
+
+
+def test_kv_budget_on_a_gpu_is_the_engines_share(sgl, monkeypatch: pytest.MonkeyPatch):
+    """On a GPU, SGLang's profiled free memory is replaced by --mem-fraction-static of the device less this
+    process's torch memory (another engine's KV pages do not shrink this one's plan)."""
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+
+    GiB = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 6 * GiB)
+    monkeypatch.setattr(cfg, "get_schedule", lambda: SimpleNamespace(mem_fraction_static=0.5))
+    profile = cfg.KVCacheConfigurator._profile_available_bytes
+    gpu = SimpleNamespace(device="cuda", gpu_id=0, mambaish_config=None)
+    assert profile(gpu, 0) == 34 * GiB
+    hybrid = SimpleNamespace(device="cuda", gpu_id=0, mambaish_config=object(),
+                             _handle_max_mamba_cache=lambda gb: gb / 2)  # SGLang's split: half to Mamba states
+    assert profile(hybrid, 0) == 17 * GiB

@@ -47,6 +47,13 @@ def _env(kvcached: bool, name: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def _without_sglang(env: dict[str, str]) -> dict[str, str]:
+    """A vLLM engine's environment without the SGLang bundle's site (its transformers pin) on the path."""
+    site = os.environ.get("SGLANG_BUNDLE_SITE", "/tmp/sglang-bundle-site")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != site)
+    return env
+
+
 def _start(spec: dict, env: dict[str, str], out: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HERE / "sglang_runner.py"), json.dumps(spec), str(out)], env=env)
 
@@ -97,14 +104,14 @@ def test_sglang_and_vllm_share_the_device(model: str, plain: dict, tmp_path: Pat
     go = tmp_path / "go"
     vllm_spec = {"model": model, "prompts": BURST_PROMPTS, "max_tokens": 200, "max_model_len": 512,
                  "dtype": "bfloat16", "gpu_memory_utilization": 0.2}
-    alone = finish_engine(start_engine(vllm_spec, engine_env(cpu=False)), timeout=600)
+    alone = finish_engine(start_engine(vllm_spec, _without_sglang(engine_env(cpu=False))), timeout=600)
     sgl = _start({"model": model, "page_size": 16, **SHORT, **BURST, "ready_file": str(tmp_path / "sgl_ready"),
                   "wait_file": str(go)}, _env(True, f"share_sgl_{os.getpid()}"), tmp_path / "sgl.json")
     name = f"share_vllm_{os.getpid()}"
     vllm_proc = start_engine({**vllm_spec, "ipc_name": name, "ready_file": str(tmp_path / "vllm_ready"),
                               "wait_file": str(go)},
-                             engine_env(cpu=False, ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name,
-                                        KVCACHED_MAX_CACHED_TOKENS="0"))
+                             _without_sglang(engine_env(cpu=False, ENABLE_KVCACHED="true", KVCACHED_IPC_NAME=name,
+                                                        KVCACHED_MAX_CACHED_TOKENS="0")))
     deadline = time.time() + 600
     while not ((tmp_path / "sgl_ready").exists() and (tmp_path / "vllm_ready").exists()):
         assert time.time() < deadline and sgl.poll() is None, "an engine did not start"
