@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build kvcached, run the GPU tests and the benchmarks; everything lands under $OUT.
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|peers|aot|quick|
-#                                                serve|coserving] [BUNDLE_DIR]
+#                                                serve|coserving|sglang] [BUNDLE_DIR]
 # (tp: the tensor-parallel engine test alone, on the two-GPU machine, kind nvidia-h200-x2; timeline: the
 # two-engine plot of bench_serving alone; `all` runs neither, since vllm and serving hold them; peers:
 # bench_peers.py, our attention against vLLM's Triton attention, FA3 and SDPA; not in `all` either; aot: the
@@ -14,6 +14,9 @@
 # With the default 30 s per rate one policy takes ~8 min: give one a call (COSERVING_POLICIES=static, then
 # kvcached) and make the record from both calls' coserving/ folders with bench_coserving.py report.
 # Both need the HTTP server's wheels: bash benchmarks/serve_wheels.sh (.serve-wheels, carried beside the bundle).
+# sglang: the SGLang bundle (bash tools/sglang_gpu_bundle/build.sh .sgl-bundle; SGLANG_BUNDLE names another folder)
+# is unpacked in a subshell, probe.py names what SGLang cannot import, then tests/gpu/test_sglang_gpu.py runs (its
+# SGLang + vLLM test also needs the vLLM bundle, carried in an earlier call: a warm machine keeps it). Not in `all`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
@@ -71,6 +74,14 @@ if [[ " ${what//,/ } " == *" tp "* ]]; then
   log "gpu vLLM tensor parallel (2 GPUs)"
   timeout "${VLLM_TESTS_TIMEOUT:-560}" python3 -m pytest -q -s tests/gpu/test_vllm_gpu.py -k tensor_parallel \
     -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_vllm_tp.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
+fi
+if [[ " ${what//,/ } " == *" sglang "* ]]; then
+  log "SGLang bundle, import probe, GPU SGLang tests"
+  sbundle="${SGLANG_BUNDLE:-.sgl-bundle}"
+  # a subshell: SGLang's site (its transformers pin) stays off the path of the steps after this one
+  ( source "$sbundle/setup.sh" && python3 "$sbundle/probe.py" \
+    && timeout "${SGLANG_TESTS_TIMEOUT:-560}" python3 -m pytest -q -s tests/gpu/test_sglang_gpu.py -p no:cacheprovider \
+         --tb=short ) 2>&1 | tee "$OUT/gpu_sglang_tests.log" | tail -40
 fi
 if [[ " ${what//,/ } " == *" serve "* ]]; then
   log "vllm serve over HTTP"
