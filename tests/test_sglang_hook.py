@@ -337,3 +337,30 @@ def test_kv_budget_on_a_gpu_is_the_engines_share(sgl, monkeypatch: pytest.Monkey
     hybrid = SimpleNamespace(device="cuda", gpu_id=0, mambaish_config=object(),
                              _handle_max_mamba_cache=lambda gb: gb / 2)  # SGLang's split: half to Mamba states
     assert profile(hybrid, 0) == 17 * GiB
+
+
+def test_dense_row_features_need_the_per_layer_layout(sgl, monkeypatch: pytest.MonkeyPatch):
+    """HiCache, PD disaggregation and speculative KV copies address rows as pointer + slot x row bytes."""
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+
+    from kvcached.errors import KVCachedConfigError
+    from kvcached.integration.sglang import patches
+
+    off = (SimpleNamespace(enable_hierarchical_cache=False), SimpleNamespace(disaggregation_mode="null"),
+           SimpleNamespace(speculative_algorithm=None))
+    patches.check_layout_features(True, *off)
+    on = SimpleNamespace(enable_hierarchical_cache=True), SimpleNamespace(disaggregation_mode="prefill"), \
+        SimpleNamespace(speculative_algorithm="EAGLE")
+    for i, what in enumerate(("hierarchical cache", "disaggregation", "speculative")):
+        features = list(off)
+        features[i] = on[i]
+        patches.check_layout_features(False, *features)  # per-layer: dense rows, as SGLang's own
+        with pytest.raises(KVCachedConfigError, match=what):
+            patches.check_layout_features(True, *features)
+    monkeypatch.setattr(cfg, "get_memory", lambda: on[0])
+    monkeypatch.setattr(cfg, "get_disagg", lambda: off[1])
+    monkeypatch.setattr(cfg, "get_spec", lambda: off[2])
+    if sgl:  # contiguous: refused before SGLang builds anything
+        with pytest.raises(KVCachedConfigError, match="hierarchical cache"):
+            cfg.KVCacheConfigurator._init_pools(SimpleNamespace(), sizes=None, req_to_token_pool=None,
+                                                token_to_kv_pool_allocator=None)

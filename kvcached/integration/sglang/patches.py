@@ -7,7 +7,8 @@ Hook points (all in SGLang's installed source):
   (:mod:`pools`, :mod:`allocator`), which covers plain MHA/GQA and MLA models and the
   full-attention pool of hybrid linear-attention (Mamba/GDN) models with MHA; after
   ``_init_pools`` a pool or allocator that is not kvcached's (SWA, DSA, FP4, NPU,
-  hierarchical or unified pools...) is an error, never a run without kvcached;
+  hierarchical or unified pools...) is an error, never a run without kvcached, and so,
+  before it, is a feature that reads KV rows as dense under the contiguous layout;
 - ``KVCacheConfigurator._profile_available_bytes``: on a GPU the KV budget is
   ``--mem-fraction-static`` of the device less what this process holds through torch,
   not the free memory that other engines' KV pages happen to leave;
@@ -71,6 +72,7 @@ def _patch_pool_classes() -> None:
 
     def checked_init_pools(original: Any) -> Any:
         def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
+            check_layout_features(pools.contiguous_layout(), cfg.get_memory(), cfg.get_disagg(), cfg.get_spec())
             result = original(self, *args, **kwargs)
             check_pools(result.token_to_kv_pool, result.token_to_kv_pool_allocator)
             return result
@@ -95,6 +97,23 @@ def _patch_pool_classes() -> None:
 
     _replace(cfg.KVCacheConfigurator, "_init_pools", checked_init_pools)
     _replace(cfg.KVCacheConfigurator, "_profile_available_bytes", device_share)
+
+
+def check_layout_features(contiguous: bool, memory: Any, disagg: Any, spec: Any) -> None:
+    """KVCachedConfigError for SGLang features that address KV rows as dense (pointer + slot x row bytes, from
+    ``data_ptrs`` / ``get_contiguous_buf_infos``), which the contiguous layout's strided views are not."""
+    if not contiguous:
+        return
+    uses = [what for what, on in (
+        ("the hierarchical cache (--enable-hierarchical-cache)", getattr(memory, "enable_hierarchical_cache", False)),
+        ("prefill/decode disaggregation", getattr(disagg, "disaggregation_mode", "null") not in (None, "null")),
+        ("speculative decoding (its KV copy)", getattr(spec, "speculative_algorithm", None) is not None),
+    ) if on]
+    if uses:
+        raise KVCachedConfigError(
+            f"{uses[0]} reads SGLang's KV rows as dense, which kvcached's contiguous layout is not; use the "
+            "per-layer layout (unset KVCACHED_CONTIGUOUS_LAYOUT: the default under SGLang)."
+        )
 
 
 def check_pools(pool: Any, token_allocator: Any) -> None:
