@@ -60,6 +60,12 @@ _PEAK_OFF = _BODY_OFF + 128  # peak_used; then peak_reset_ns (asked by kvctl), p
 _PEAK_RESET_OFF = _PEAK_OFF + 8
 _PEAK_SINCE_OFF = _PEAK_OFF + 16
 NO_LIMIT = -1
+MAX_LIMIT = (1 << 63) - 1  # the field is a signed 64-bit count of bytes
+SEGMENT_MODE = 0o600  # only the owner (and root) may read or set an engine's limit
+# A reader that sees the counter odd this long checks whether any writer holds the lock; if none
+# does, a writer died mid-write and the segment is reported damaged instead of waited on.
+_DAMAGE_CHECK_S = 0.02
+_READ_TIMEOUT_S = 2.0
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvcached_"
@@ -85,6 +91,7 @@ class MemInfo:
     peak_used: int = 0  # most bytes in use at once since peak_since_ns (each pool's own peak, summed)
     peak_since_ns: int = 0  # when the engine started, or applied the last `kvctl peak --reset`
     peak_reset_ns: int = 0  # the last reset asked for; equal to peak_since_ns once applied
+    damaged: bool = False  # a writer died mid-write: the fields may be torn (the owner's next publish mends it)
 
     @property
     def total_size(self) -> int:
@@ -159,8 +166,9 @@ def _create_segment(path: str) -> bool:
     no reader can find the segment before its header is written.
     """
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(6).hex()}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, SEGMENT_MODE)
     try:
+        os.fchmod(fd, SEGMENT_MODE)  # the umask may have cleared the owner's bits too
         buf = bytearray(SEGMENT_BYTES)
         _HEADER.pack_into(buf, 0, MAGIC, VERSION, 0)
         struct.pack_into("<q", buf, _LIMIT_OFF, NO_LIMIT)
@@ -176,11 +184,12 @@ def _create_segment(path: str) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    if pid <= 0:
+    # anyone may write a segment: a pid no process can have (kill takes a C int) is simply not alive
+    if not isinstance(pid, int) or not 0 < pid < 1 << 31:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
@@ -199,26 +208,54 @@ def _unpack(name: str, buf: Any) -> MemInfo:
                    peak_used=f[10], peak_reset_ns=f[11], peak_since_ns=f[12])
 
 
-def _read_consistent(name: str, mm: Any) -> MemInfo:
-    for _ in range(10000):
+def _read_damaged(name: str, mm: Any, fd: int) -> MemInfo | None:
+    """The segment marked damaged if its counter is odd while no writer holds the lock, else None."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # a live writer is at work: wait for it
+        return None
+    try:
+        (seq,) = struct.unpack_from("<Q", mm, _SEQ_OFF)
+        if seq % 2 == 0:
+            return None
+        info = _unpack(name, mm)
+        info.damaged = True
+        return info
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _read_consistent(name: str, mm: Any, fd: int | None = None) -> MemInfo:
+    """A consistent read; with ``fd``, a counter left odd by a dead writer gives a damaged read."""
+    start = time.monotonic()
+    while True:
         (s1,) = struct.unpack_from("<Q", mm, _SEQ_OFF)
         if s1 % 2 == 0:
             info = _unpack(name, mm)
             (s2,) = struct.unpack_from("<Q", mm, _SEQ_OFF)
             if s1 == s2:
                 return info
+        waited = time.monotonic() - start
+        if fd is not None and waited > _DAMAGE_CHECK_S and (info := _read_damaged(name, mm, fd)) is not None:
+            return info
+        if waited > _READ_TIMEOUT_S:
+            raise TimeoutError(f"segment {name} stayed mid-write for {_READ_TIMEOUT_S:.0f} s while a writer held "
+                               "its lock; is a writer stuck?")
         time.sleep(0.0001)
-    raise TimeoutError(f"segment {name} stayed mid-write; is a writer stuck?")
 
 
 def read_segment(name: str) -> MemInfo:
-    """Read one segment; FileNotFoundError if absent, ValueError if it is not ours."""
+    """Read one segment; FileNotFoundError if absent, ValueError if it is not ours.
+
+    A segment whose writer died mid-write reads with ``damaged`` set (its fields may be torn):
+    kvctl shows it, and ``limit`` or ``delete`` take the writers' lock and mend or remove it.
+    """
     path = segment_path(name)
     fd = _open_segment(path, os.O_RDONLY)
     try:
         _check_segment(path, fd)
         with mmap.mmap(fd, SEGMENT_BYTES, access=mmap.ACCESS_READ) as mm:
-            return _read_consistent(name, mm)
+            return _read_consistent(name, mm, fd)
     finally:
         os.close(fd)
 
@@ -263,18 +300,32 @@ class _Writer:
             os.unlink(self.path)
 
     def write(self, items: list[tuple[int, str, tuple[Any, ...]]]) -> None:
+        # packed before the counter goes odd: a value that does not fit raises with nothing written
+        try:
+            packed = [(off, struct.pack(fmt, *values)) for off, fmt, values in items]
+        except struct.error as exc:
+            raise ValueError(f"{self.path}: a value does not fit its field ({exc}); nothing was written.") from None
         (seq,) = struct.unpack_from("<Q", self.mm, _SEQ_OFF)
         seq += seq % 2  # a writer that died mid-write left it odd
         struct.pack_into("<Q", self.mm, _SEQ_OFF, seq + 1)
-        for off, fmt, values in items:
-            struct.pack_into(fmt, self.mm, off, *values)
+        for off, data in packed:
+            self.mm[off:off + len(data)] = data
         struct.pack_into("<Q", self.mm, _SEQ_OFF, seq + 2)
+
+
+def check_limit(limit_bytes: int) -> int:
+    """``limit_bytes`` if a segment can hold it as a limit (NO_LIMIT lifts it), else ValueError."""
+    if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool) or limit_bytes < NO_LIMIT:
+        raise ValueError(f"limit must be an int number of bytes >= 0, got {limit_bytes!r}.")
+    if limit_bytes > MAX_LIMIT:
+        raise ValueError(f"a limit of {limit_bytes} B is too large: it must be below 2^63 B (8 EiB); to lift the "
+                         "limit use 'none' (kvctl) or NO_LIMIT.")
+    return limit_bytes
 
 
 def write_limit(name: str, limit_bytes: int) -> MemInfo:
     """Set the limit of a live segment (``kvctl limit``); NO_LIMIT removes it."""
-    if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool) or limit_bytes < NO_LIMIT:
-        raise ValueError(f"limit must be an int number of bytes >= 0, got {limit_bytes!r}.")
+    check_limit(limit_bytes)
     path = segment_path(name)
     read_segment(name)  # FileNotFoundError / ValueError before touching anything
     with _Writer(path, create=False) as w:
@@ -357,14 +408,18 @@ def _engine_tag() -> str:
     return "proc"
 
 
-def _segment_owned_by_other_live_process(name: str) -> bool:
+def _segment_taken(name: str) -> bool:
     try:
         info = read_segment(name)
     except FileNotFoundError:
         return False
     except ValueError:  # someone else's file (or another kvcached version's): not ours to take
         return True
-    return info.pid != os.getpid() and pid_alive(info.pid)
+    try:
+        foreign = os.stat(segment_path(name), follow_symlinks=False).st_uid != os.geteuid()
+    except FileNotFoundError:
+        return False
+    return foreign or (info.pid != os.getpid() and pid_alive(info.pid))
 
 
 def get_default_ipc_name() -> str:
@@ -377,7 +432,7 @@ def get_default_ipc_name() -> str:
     global _ipc_name_cache
     explicit = config.ipc_name_override()
     if explicit:
-        return sanitize_ipc_name(explicit)
+        return explicit
     if _ipc_name_cache is not None:
         return _ipc_name_cache
     try:
@@ -387,7 +442,7 @@ def get_default_ipc_name() -> str:
     base = f"{SHM_PREFIX}{_engine_tag()}_{group}"
     name = base
     for i in range(1, 1000):
-        if not _segment_owned_by_other_live_process(name):
+        if not _segment_taken(name):
             break
         name = f"{base}_{i}"
     _ipc_name_cache = name
@@ -395,6 +450,20 @@ def get_default_ipc_name() -> str:
 
 
 # -- the engine side -------------------------------------------------------
+def _make_private(w: _Writer) -> None:
+    """Refuse a segment another user owns (they could set this engine's limit); make ours owner-only
+    (one left by an older kvcached or by hand may be writable by others)."""
+    st = os.fstat(w.fd)
+    if st.st_uid != os.geteuid():
+        raise KVCachedStateError(
+            f"segment {w.path} belongs to user id {st.st_uid}, not to this process's user ({os.geteuid()}), who "
+            "could then set this engine's memory limit; set KVCACHED_IPC_NAME to another name, or have the file "
+            "removed."
+        )
+    if stat.S_IMODE(st.st_mode) != SEGMENT_MODE:
+        os.fchmod(w.fd, SEGMENT_MODE)
+
+
 class Publisher:
     """Owns this process's segment: publishes usage, applies limits, removes it at the end."""
 
@@ -408,6 +477,7 @@ class Publisher:
         self._lock = threading.Lock()
         try:
             with _Writer(self.path, create=True) as w:
+                _make_private(w)
                 old = _unpack(name, w.mm)  # under the lock: a dead owner is replaced by one process only
                 if old.pid != os.getpid() and pid_alive(old.pid):
                     raise KVCachedStateError(
@@ -535,7 +605,7 @@ def _start_locked() -> Publisher:
         except KVCachedStateError:
             # Two processes of one group (engines started together) may both find a default name free
             # and race to create it: the loser takes the next suffix. A name the user chose stays an error.
-            if attempt == 7 or config.ipc_name_override() or not _segment_owned_by_other_live_process(name):
+            if attempt == 7 or config.ipc_name_override() or not _segment_taken(name):
                 raise
             _ipc_name_cache = None
     return _publisher

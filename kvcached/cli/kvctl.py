@@ -19,7 +19,7 @@ import sys
 import time
 
 from kvcached import mem_info
-from kvcached.cli.utils import get_kv_cache_limit, update_kv_cache_limit
+from kvcached.cli.utils import get_kv_cache_limit, refresh_arg, refresh_seconds, update_kv_cache_limit
 from kvcached.utils import format_size, parse_size
 
 
@@ -30,9 +30,16 @@ def _infos(names: list[str] | None) -> list[mem_info.MemInfo]:
             out.append(mem_info.read_segment(name))
         except FileNotFoundError:
             print(f"kvctl: no segment named {name!r}", file=sys.stderr)
-        except ValueError as exc:
-            print(f"kvctl: {exc}", file=sys.stderr)
+        except (ValueError, OSError, TimeoutError) as exc:  # one bad segment never hides the others
+            print(f"kvctl: {_why(exc)}", file=sys.stderr)
     return out
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, PermissionError):
+        return (f"{exc.filename or 'segment'}: permission denied; a segment is readable and writable by its "
+                "engine's user only: run kvctl as that user (or root).")
+    return str(exc)
 
 
 def render_table(infos: list[mem_info.MemInfo]) -> str:
@@ -45,9 +52,10 @@ def render_table(infos: list[mem_info.MemInfo]) -> str:
         pid = f"{i.pid}" if mem_info.pid_alive(i.pid) else f"{i.pid}(dead)"
         limit = "none" if i.limit < 0 else format_size(i.limit)
         pct = 100.0 * i.used_size / i.total_size if i.total_size > 0 else 0.0
+        note = "  damaged: a writer died mid-write (kvctl delete removes it)" if i.damaged else ""
         lines.append(f"{i.name:32} {pid:>8} {i.device:8} {i.layout:10} {limit:>11} {format_size(i.used_size):>11} "
                      f"{format_size(i.prealloc_size):>11} {format_size(i.peak_used):>11} "
-                     f"{format_size(i.capacity):>11} {pct:5.1f}%")
+                     f"{format_size(i.capacity):>11} {pct:5.1f}%{note}")
     return "\n".join(lines)
 
 
@@ -102,10 +110,9 @@ def cmd_limit(name: str, size_text: str, json_out: bool = False) -> int:
     if str(size_text).strip().lower() in ("none", "unlimited", "off"):
         return _set(name, mem_info.NO_LIMIT, json_out)
     try:
-        size = parse_size(size_text)
+        size = mem_info.check_limit(parse_size(size_text))
     except ValueError as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), json_out, 2)
     return _set(name, size, json_out)
 
 
@@ -162,6 +169,7 @@ def cmd_delete(name: str, json_out: bool = False) -> int:
 
 
 def cmd_watch(interval: float, names: list[str] | None, json_out: bool = False, count: int = 0) -> int:
+    interval = refresh_seconds(interval)
     n = 0
     try:
         while True:
@@ -198,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reset", action="store_true", help="start a new window (waits until the engine applied it)")
     s.add_argument("--json", action="store_true", dest="json_sub")
     s = sub.add_parser("watch", help="refresh the list every interval")
-    s.add_argument("-n", "--interval", type=float, default=1.0)
+    s.add_argument("-n", "--interval", type=refresh_arg, default=1.0, help="seconds between frames (> 0)")
     s.add_argument("--count", type=int, default=0, help="stop after this many frames (0: until Ctrl-C)")
     s.add_argument("names", nargs="*")
     s.add_argument("--json", action="store_true", dest="json_sub")
@@ -211,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     js = bool(args.json or getattr(args, "json_sub", False))
+    try:
+        return _dispatch(args, js)
+    except (OSError, TimeoutError) as exc:  # another user's segment, a stuck writer: a message, not a traceback
+        return _fail(_why(exc), js)
+
+
+def _dispatch(args: argparse.Namespace, js: bool) -> int:
     names = args.names if hasattr(args, "names") else [args.name]
     for name in names:
         try:
