@@ -14,7 +14,13 @@ namespace {
 
 // A list of ints from any sequence, with a clear error for anything else.
 std::vector<int64_t> int_list(py::handle obj, const char* what) {
-  PyObject* seq = PySequence_Fast(obj.ptr(), "");
+  PyObject* o = obj.ptr();
+  // These iterate as small ints (or 1-character strings): b"\x01" would name block 1.
+  if (PyBytes_Check(o) || PyByteArray_Check(o) || PyMemoryView_Check(o) || PyUnicode_Check(o)) {
+    throw_value(std::string(what) + " must be a list of ints, got " + py_type_name(obj) +
+                ": its bytes or characters are not block ids; pass a list such as [3, 4].");
+  }
+  PyObject* seq = PySequence_Fast(o, "");
   if (!seq) {
     PyErr_Clear();
     throw_value(std::string(what) + " must be a list of ints, got " + py_type_name(obj) + ".");

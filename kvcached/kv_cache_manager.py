@@ -44,6 +44,9 @@ def _read_once(indices: Iterable[int]) -> list[int] | tuple[int, ...]:
     """``free``'s ids as a list or tuple (an iterator is consumed here, once)."""
     if isinstance(indices, (list, tuple)):
         return indices
+    if isinstance(indices, (bytes, bytearray, memoryview, str)):  # they iterate as ints or characters
+        raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}: its bytes or characters "
+                         "are not block ids; pass a list such as [3, 4].")
     if not hasattr(indices, "__iter__"):
         raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
     return list(indices)
