@@ -157,6 +157,10 @@ void bind_allocators(py::module_& m) {
       .def_property_readonly("num_reserved", &PageAllocator::num_reserved)
       .def_property_readonly("peak_in_use", &PageAllocator::peak_in_use,
                              "Most pages in use at once since creation or reset_peak().")
+      .def_property_readonly("pages_mapped_total", &PageAllocator::pages_mapped_total,
+                             "Pages mapped since creation (each map of a page counts once).")
+      .def_property_readonly("pages_unmapped_total", &PageAllocator::pages_unmapped_total,
+                             "Pages unmapped since creation.")
       .def("reset_peak", &PageAllocator::reset_peak, py::call_guard<py::gil_scoped_release>(),
            "Start a new peak window at the pages in use now.")
       .def_property_readonly("min_reserved", &PageAllocator::min_reserved)

@@ -72,6 +72,9 @@ class PageAllocator {
   // Most pages in use at once since creation or the last reset_peak(): a burst shorter than any
   // observer's sampling period still shows.
   int64_t peak_in_use() const { return peak_in_use_.load(std::memory_order_relaxed); }
+  // Pages mapped and unmapped since creation (monitoring: how much the pool churns).
+  int64_t pages_mapped_total() const { return pages_mapped_.load(std::memory_order_relaxed); }
+  int64_t pages_unmapped_total() const { return pages_unmapped_.load(std::memory_order_relaxed); }
   void reset_peak();
   int64_t min_reserved() const { return min_reserved_; }
   int64_t max_reserved() const { return max_reserved_; }
@@ -143,6 +146,7 @@ class PageAllocator {
 
   std::atomic<int64_t> limit_;
   std::atomic<int64_t> in_use_{0}, reserved_n_{0}, peak_in_use_{0};  // written under mu_
+  std::atomic<int64_t> pages_mapped_{0}, pages_unmapped_{0};          // written under mu_
   // The backend's free memory, read after each map, shrink and background release.
   std::shared_ptr<ReleaseReport> rel_report_ = std::make_shared<ReleaseReport>();
   std::atomic<bool> closed_{false};
