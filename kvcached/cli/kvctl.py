@@ -1,11 +1,12 @@
 """``kvctl``: list kvcached instances and set their KV memory limits.
 
     kvctl list [NAME...] [--json]
-    kvctl limit NAME SIZE            # 2G, 512M, 1.5GiB, bytes
+    kvctl limit NAME SIZE [--revision N]   # 2G, 512M, 1.5GiB, bytes; N: kvcached.control's revision rules
     kvctl limit-percent NAME PCT     # percent of the device's memory
     kvctl peak NAME [--reset]        # most KV memory in use at once (--reset: start a new window)
     kvctl watch [-n SEC] [NAME...]
     kvctl delete NAME
+    kvctl serve-metrics [--port 9400] [--host 127.0.0.1] [NAME...]   # Prometheus /metrics (kvcached.metrics)
 
 NAME is the name of a segment in /dev/shm as ``kvctl list`` shows it, never a path:
 kvctl touches no file outside /dev/shm, and no file there that is not a kvcached segment.
@@ -106,14 +107,35 @@ def _set(name: str, size: int, json_out: bool) -> int:
     return 0
 
 
-def cmd_limit(name: str, size_text: str, json_out: bool = False) -> int:
-    if str(size_text).strip().lower() in ("none", "unlimited", "off"):
-        return _set(name, mem_info.NO_LIMIT, json_out)
+def cmd_limit(name: str, size_text: str, json_out: bool = False, revision: int | None = None) -> int:
+    lift = str(size_text).strip().lower() in ("none", "unlimited", "off")
     try:
-        size = mem_info.check_limit(parse_size(size_text))
+        size = mem_info.NO_LIMIT if lift else mem_info.check_limit(parse_size(size_text))
     except ValueError as exc:
         return _fail(str(exc), json_out, 2)
-    return _set(name, size, json_out)
+    if revision is None:
+        return _set(name, size, json_out)
+    return _set_revision(name, None if lift else size, revision, json_out)
+
+
+def _set_revision(name: str, size: int | None, revision: int, json_out: bool) -> int:
+    """``kvctl limit --revision``: kvcached.control's rules (a stale or conflicting revision changes nothing)."""
+    from kvcached import control
+
+    try:
+        result = control.set_instance_memory_limit(size, revision=revision, name=name)
+    except FileNotFoundError:
+        return _missing(name, json_out)
+    except ValueError as exc:
+        return _fail(str(exc), json_out, 2)
+    ok = result["status"] not in ("stale", "conflict")
+    if json_out:
+        print(json.dumps({"ok": ok, **result}))
+    else:
+        held = "" if ok else f" (it holds revision {result['revision']})"
+        print(f"{name}: revision {revision}: {result['status']}{held}"
+              + (f" ({result['reason']})" if result["reason"] else ""))
+    return 0 if ok else 1
 
 
 def cmd_limit_percent(name: str, percent: float, json_out: bool = False) -> int:
@@ -186,6 +208,26 @@ def cmd_watch(interval: float, names: list[str] | None, json_out: bool = False, 
         return 0
 
 
+def cmd_serve_metrics(port: int, host: str, names: list[str] | None, json_out: bool = False) -> int:
+    """Serve Prometheus ``/metrics`` for the instances (all, or ``names``) until Ctrl-C."""
+    from kvcached import metrics
+
+    try:
+        server = metrics.serve(port, host, names or None)
+    except ValueError as exc:  # no prometheus_client, a bad port
+        return _fail(str(exc), json_out, 2)
+    url = f"http://{host}:{server.server_port}/metrics"
+    print(json.dumps({"ok": True, "url": url}) if json_out else f"kvctl: serving kvcached metrics on {url}",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl", description="List kvcached instances and set their KV memory limits.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -196,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("limit", help="set an absolute limit, e.g. 2G or 512M; 'none' lifts it")
     s.add_argument("name")
     s.add_argument("size")
+    s.add_argument("--revision", type=int, default=None,
+                   help="a controller's revision: refused if the segment holds a newer one (see kvcached.control)")
     s.add_argument("--json", action="store_true", dest="json_sub")
     s = sub.add_parser("limit-percent", help="set the limit as a percent of the device's memory")
     s.add_argument("name")
@@ -208,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("watch", help="refresh the list every interval")
     s.add_argument("-n", "--interval", type=refresh_arg, default=1.0, help="seconds between frames (> 0)")
     s.add_argument("--count", type=int, default=0, help="stop after this many frames (0: until Ctrl-C)")
+    s.add_argument("names", nargs="*")
+    s.add_argument("--json", action="store_true", dest="json_sub")
+    s = sub.add_parser("serve-metrics", help="serve Prometheus /metrics of the instances (needs prometheus_client)")
+    s.add_argument("--port", type=int, default=9400, help="TCP port (0: any free one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("names", nargs="*")
     s.add_argument("--json", action="store_true", dest="json_sub")
     s = sub.add_parser("delete", help="remove an instance's segment")
@@ -235,13 +284,15 @@ def _dispatch(args: argparse.Namespace, js: bool) -> int:
     if args.command == "list":
         return cmd_list(args.names, js)
     if args.command == "limit":
-        return cmd_limit(args.name, args.size, js)
+        return cmd_limit(args.name, args.size, js, args.revision)
     if args.command == "limit-percent":
         return cmd_limit_percent(args.name, args.percent, js)
     if args.command == "peak":
         return cmd_peak(args.name, args.reset, js)
     if args.command == "watch":
         return cmd_watch(args.interval, args.names, js, args.count)
+    if args.command == "serve-metrics":
+        return cmd_serve_metrics(args.port, args.host, args.names, js)
     return cmd_delete(args.name, js)
 
 

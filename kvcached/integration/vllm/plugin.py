@@ -20,3 +20,6 @@ def register() -> None:
     from kvcached.integration.vllm import patches
 
     patches.apply()  # checks the vLLM version first
+    from kvcached import metrics
+
+    metrics.register_engine_collector()  # this engine's KV memory on vLLM's /metrics (with prometheus_client)
