@@ -57,75 +57,6 @@ BlockPool::BlockPool(std::shared_ptr<PageAllocator> pa, int64_t blocks_per_page,
   pending_.assign(pool_pages_, 0);
   call_count_.assign(pool_pages_, 0);
   stack_.resize(pool_pages_);
-  bucket_head_.assign(bpp_ + 1, -1);
-  next_.assign(pool_pages_, -1);
-  prev_.assign(pool_pages_, -1);
-  bucket_of_.assign(pool_pages_, 0);
-  bits_.assign(static_cast<size_t>(bpp_ / 64 + 1), 0);
-  summary_.assign(bits_.size() / 64 + 1, 0);
-}
-
-inline void BlockPool::set_bucket_bit(int64_t c, bool on) {
-  size_t w = static_cast<size_t>(c) >> 6;
-  uint64_t bit = uint64_t{1} << (c & 63), was = bits_[w];
-  bits_[w] = on ? was | bit : was & ~bit;
-  if (!was != !bits_[w]) summary_[w >> 6] ^= uint64_t{1} << (w & 63);  // the word became (non-)empty
-}
-
-inline void BlockPool::list_page(int64_t page) {
-  int64_t c = static_cast<int64_t>(stack_[page].size());
-  if (c == 0 || used_[page] < 0) return;
-  int64_t head = bucket_head_[c];
-  next_[page] = head;
-  prev_[page] = -1;
-  if (head >= 0) {
-    prev_[head] = page;
-  } else {
-    set_bucket_bit(c, true);
-  }
-  bucket_head_[c] = page;
-  bucket_of_[page] = c;
-}
-
-inline void BlockPool::unlist_page(int64_t page) {
-  int64_t c = bucket_of_[page];
-  if (c == 0) return;
-  int64_t n = next_[page], p = prev_[page];
-  if (p >= 0) {
-    next_[p] = n;
-  } else {
-    bucket_head_[c] = n;
-  }
-  if (n >= 0) prev_[n] = p;
-  if (bucket_head_[c] < 0) set_bucket_bit(c, false);
-  bucket_of_[page] = 0;
-}
-
-int64_t BlockPool::bucket_at_least(int64_t c) const {
-  if (c > bpp_) return -1;
-  size_t w = static_cast<size_t>(c) >> 6;
-  uint64_t b = bits_[w] & (~uint64_t{0} << (c & 63));
-  if (b) return static_cast<int64_t>((w << 6) + __builtin_ctzll(b));
-  size_t next = w + 1;  // the first non-empty word after w, through the summary
-  if (next >= bits_.size()) return -1;
-  size_t s = next >> 6;
-  uint64_t sb = summary_[s] & (~uint64_t{0} << (next & 63));
-  while (!sb) {
-    if (++s >= summary_.size()) return -1;
-    sb = summary_[s];
-  }
-  size_t word = (s << 6) + __builtin_ctzll(sb);
-  return static_cast<int64_t>((word << 6) + __builtin_ctzll(bits_[word]));
-}
-
-int64_t BlockPool::largest_bucket() const {
-  for (size_t s = summary_.size(); s-- > 0;) {
-    if (summary_[s]) {
-      size_t word = (s << 6) + 63 - __builtin_clzll(summary_[s]);
-      return static_cast<int64_t>((word << 6) + 63 - __builtin_clzll(bits_[word]));
-    }
-  }
-  return -1;
 }
 
 int64_t BlockPool::valid_blocks(int64_t page) const { return std::min(bpp_, num_blocks_ - page * bpp_); }
@@ -136,7 +67,7 @@ void BlockPool::adopt_page(int64_t page) {
   st.resize(v);
   for (int64_t i = 0; i < v; ++i) st[i] = static_cast<int32_t>(v - 1 - i);  // pop gives the lowest block
   used_[page] = 0;
-  list_page(page);
+  partial_.insert(page);
   free_held_.fetch_add(v, std::memory_order_relaxed);
   held_pages_.fetch_add(1, std::memory_order_relaxed);
 }
@@ -163,6 +94,26 @@ void BlockPool::give_pages(const std::vector<int64_t>& pages) {
   pa_->free_pages(pages);
 }
 
+// The lowest partly used page that holds all `rest` blocks, else the lowest partly used page.
+// Lowest first packs live blocks into few pages (measured against best fit, which held more
+// pages: benchmarks/results/page_choice_host.md); taking the whole rest from one page keeps a
+// request's blocks together instead of spreading them over small holes, where a few cached
+// blocks would later hold many pages. One block (decode) takes the lowest page at once.
+// `most` bounds every partly used page's free blocks: a scan that finds none big enough lowers it,
+// so one alloc call scans the pages at most once per size it still lacks (pages only lose blocks).
+int64_t BlockPool::first_fit(int64_t rest, int64_t& most) const {
+  int64_t lowest = *partial_.begin();
+  if (rest <= static_cast<int64_t>(stack_[lowest].size()) || rest > most) return lowest;
+  int64_t seen = 0;
+  for (int64_t p : partial_) {
+    int64_t f = static_cast<int64_t>(stack_[p].size());
+    if (f >= rest) return p;
+    seen = std::max(seen, f);
+  }
+  most = seen;
+  return lowest;
+}
+
 std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
   if (n < 0) throw_value("alloc(n) needs n >= 0, got " + std::to_string(n) + ".");
   std::vector<int64_t> out;
@@ -183,7 +134,7 @@ std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
       std::vector<int64_t> back = fresh;
       back.insert(back.end(), got.begin(), got.end());
       for (int64_t p : fresh) {
-        unlist_page(p);
+        partial_.erase(p);
         free_held_.fetch_sub(valid_blocks(p));
         held_pages_.fetch_sub(1);
         used_[p] = -1;
@@ -192,24 +143,16 @@ std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
       give_pages(back);
       return std::nullopt;
     }
-    // highest first: a bucket lists its latest page first, so fresh pages are used lowest first
-    std::sort(got.begin(), got.end());
-    for (auto it = got.rbegin(); it != got.rend(); ++it) {
-      int64_t p = *it;
+    for (int64_t p : got) {
       if (used_[p] != -1) throw_state("PageAllocator handed out page " + std::to_string(p) + " that the pool already holds.");
       adopt_page(p);
       fresh.push_back(p);
     }
   }
   out.reserve(n);
-  // Best fit: the page with the fewest free blocks that still holds the rest of the request, else
-  // the page with the most (the largest bite, then again). A request's blocks then share few pages,
-  // and small holes fill with small requests, so fewer pages stay held by a few blocks.
+  int64_t most = bpp_;
   while (static_cast<int64_t>(out.size()) < n) {
-    int64_t rest = n - static_cast<int64_t>(out.size());
-    int64_t c = bucket_at_least(rest);
-    if (c < 0) c = largest_bucket();
-    int64_t p = bucket_head_[c];
+    int64_t p = first_fit(n - static_cast<int64_t>(out.size()), most);
     auto& st = stack_[p];
     while (!st.empty() && static_cast<int64_t>(out.size()) < n) {
       int64_t id = p * bpp_ + st.back();
@@ -218,7 +161,7 @@ std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
       used_[p]++;
       out.push_back(id);
     }
-    relist_page(p);
+    if (st.empty()) partial_.erase(p);
   }
   free_held_.fetch_sub(n, std::memory_order_relaxed);
   num_allocated_.fetch_add(n, std::memory_order_relaxed);
@@ -261,8 +204,9 @@ bool BlockPool::push_free(int64_t id) {
   int64_t p = id / bpp_;
   if (allocated_[id] == (kPending | kInCall)) pending_[p]--;
   allocated_[id] = kFree;
-  stack_[p].push_back(static_cast<int32_t>(id - p * bpp_));
-  relist_page(p);
+  auto& st = stack_[p];
+  if (st.empty()) partial_.insert(p);
+  st.push_back(static_cast<int32_t>(id - p * bpp_));
   return --used_[p] == 0;
 }
 
@@ -280,7 +224,7 @@ void BlockPool::free(const std::vector<int64_t>& ids) {
   // Pages with no live block go back to the allocator, lowest first.
   std::sort(empty.begin(), empty.end());
   for (int64_t p : empty) {
-    unlist_page(p);
+    partial_.erase(p);
     free_held_.fetch_sub(valid_blocks(p), std::memory_order_relaxed);
     held_pages_.fetch_sub(1, std::memory_order_relaxed);
     used_[p] = -1;

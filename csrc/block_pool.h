@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "page_allocator.h"
@@ -37,20 +38,9 @@ class BlockPool {
  private:
   int64_t valid_blocks(int64_t page) const;
   void adopt_page(int64_t page);
+  int64_t first_fit(int64_t rest, int64_t& most) const;  // the page a request's next blocks come from
   bool get_pages(int64_t k, std::vector<int64_t>& got);
   void give_pages(const std::vector<int64_t>& pages);
-  // Held pages with free blocks, bucketed by their count of free blocks (best fit, see alloc).
-  void list_page(int64_t page);    // into the bucket of its free count (none when full or not held)
-  void unlist_page(int64_t page);  // out of its bucket
-  void relist_page(int64_t page) {
-    if (bucket_of_[page] != static_cast<int64_t>(stack_[page].size())) {
-      unlist_page(page);
-      list_page(page);
-    }
-  }
-  int64_t bucket_at_least(int64_t c) const;  // the smallest non-empty bucket >= c, -1 if none
-  int64_t largest_bucket() const;            // -1 if every bucket is empty
-  void set_bucket_bit(int64_t c, bool on);
   enum class Accept { Allocated, AllocatedOrPending, Pending };
   void mark_call(const std::vector<int64_t>& ids, Accept accept, const char* what);
   bool push_free(int64_t id);
@@ -63,11 +53,7 @@ class BlockPool {
   std::vector<int32_t> pending_;              // pending blocks per page
   std::vector<int32_t> call_count_;           // free_keeping_pages: ids of the call per page (zero between calls)
   std::vector<std::vector<int32_t>> stack_;  // free block offsets within each held page
-  // Bucket c lists the held pages with exactly c free blocks (doubly linked through next_/prev_,
-  // most recently listed first); bits_ marks the non-empty buckets, summary_ the non-zero words
-  // of bits_, so a search costs a few word scans whatever blocks_per_page is.
-  std::vector<int64_t> bucket_head_, next_, prev_, bucket_of_;  // bucket_of_: 0 = not listed
-  std::vector<uint64_t> bits_, summary_;
+  std::set<int64_t> partial_;                 // held pages with free blocks, lowest first
   std::atomic<int64_t> free_held_{0}, num_allocated_{0}, held_pages_{0};
 };
 

@@ -558,10 +558,8 @@ def test_block_pool_basics():
     assert a == [0] and c == [1]  # fills the partly used page before mapping another
     assert pa.num_in_use == 1
     d = pool.alloc(5)
-    # best fit: no held page holds all 5, so the biggest bite first (the fresh page 1 whole), then
-    # the rest from the fullest page that holds it (page 0)
-    assert d == [4, 5, 6, 7, 2] and pa.num_in_use == 2
-    assert pool.is_allocated(7) and not pool.is_allocated(3)
+    assert d == [2, 3, 4, 5, 6] and pa.num_in_use == 2
+    assert pool.is_allocated(6) and not pool.is_allocated(7)
     assert pool.num_allocated() == 7 and pool.available() == 9
     assert pool.alloc(10) is None  # all-or-nothing
     assert pool.num_allocated() == 7 and pa.num_in_use == 2
