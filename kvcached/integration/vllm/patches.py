@@ -29,6 +29,8 @@ from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
 
+_get_max_cached_blocks = settings.max_cached_blocks  # the existing kvcached's name and module
+
 _lock = threading.Lock()
 _applied = False
 
