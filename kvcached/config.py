@@ -192,3 +192,10 @@ def ipc_name_override() -> str | None:
             "e.g. kvcached_engine_a (kvctl finds a segment by exactly this name)."
         )
     return value
+
+
+def nixl_any_transport() -> bool:
+    """``KVCACHED_NIXL_ANY_TRANSPORT``: let vLLM's NixlConnector register kvcached's KV memory whatever
+    transport NIXL uses. Off by default: a transport that resolves physical pages when the memory is
+    registered (RDMA, CUDA IPC) never sees the pages kvcached maps later (docs/pd_disaggregation.md)."""
+    return bool(env_bool("KVCACHED_NIXL_ANY_TRANSPORT", False))

