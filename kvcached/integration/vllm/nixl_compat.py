@@ -11,9 +11,9 @@ What the connector derives from the KV tensors (``NixlBaseConnectorWorker.regist
   block strides long (``0 <= storage - num_blocks * stride < stride``); otherwise it splits the
   view into segments of ``num_blocks * stride`` bytes, and fails when the view is not whole segments.
 
-kvcached's views sit on its virtual tensors, which are longer than vLLM's blocks (they hold the
-whole device's share, in whole pages). In the contiguous layout (layers of a block side by side)
-that fails the check above and vLLM refuses to register ("KV cache view cannot be partitioned");
+kvcached's views sit on its virtual tensors, mostly longer than vLLM's blocks (they hold the device's
+share rounded up to whole pages; vLLM plans on it rounded down). In the contiguous layout (layers of a
+block side by side) that fails the check above and vLLM refuses to register ("cannot be partitioned");
 in the per-layer layout the descriptors are right but each registration covers the whole virtual
 tensor. :func:`exact_views` gives the connector the same views over storages cut to the bytes the
 blocks occupy: contiguous, one region ``[t, t + N * L * page)``; per-layer, one ``[t_l, t_l + N * page)``
