@@ -177,7 +177,7 @@ def bench_manager(kind: str, pairs: int, deferred_free: bool | None = None) -> d
     """The same fast path through kvcached.kv_cache_manager.KVCacheManager.
 
     deferred_free=True on the host times the GPU backends' free path: a live block keeps the
-    page, so no free needs a device event (the host has none: one would fail, and show here)."""
+    page, so no free needs a device event (on the host one is complete at once)."""
     from kvcached.kv_cache_manager import KVCacheManager
 
     dev = "cpu" if kind == "host" else "cuda:0"

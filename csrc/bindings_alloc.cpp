@@ -14,7 +14,13 @@ namespace {
 
 // A list of ints from any sequence, with a clear error for anything else.
 std::vector<int64_t> int_list(py::handle obj, const char* what) {
-  PyObject* seq = PySequence_Fast(obj.ptr(), "");
+  PyObject* o = obj.ptr();
+  // These iterate as small ints (or 1-character strings): b"\x01" would name block 1.
+  if (PyBytes_Check(o) || PyByteArray_Check(o) || PyMemoryView_Check(o) || PyUnicode_Check(o)) {
+    throw_value(std::string(what) + " must be a list of ints, got " + py_type_name(obj) +
+                ": its bytes or characters are not block ids; pass a list such as [3, 4].");
+  }
+  PyObject* seq = PySequence_Fast(o, "");
   if (!seq) {
     PyErr_Clear();
     throw_value(std::string(what) + " must be a list of ints, got " + py_type_name(obj) + ".");
@@ -151,6 +157,10 @@ void bind_allocators(py::module_& m) {
       .def_property_readonly("num_reserved", &PageAllocator::num_reserved)
       .def_property_readonly("peak_in_use", &PageAllocator::peak_in_use,
                              "Most pages in use at once since creation or reset_peak().")
+      .def_property_readonly("pages_mapped_total", &PageAllocator::pages_mapped_total,
+                             "Pages mapped since creation (each map of a page counts once).")
+      .def_property_readonly("pages_unmapped_total", &PageAllocator::pages_unmapped_total,
+                             "Pages unmapped since creation.")
       .def("reset_peak", &PageAllocator::reset_peak, py::call_guard<py::gil_scoped_release>(),
            "Start a new peak window at the pages in use now.")
       .def_property_readonly("min_reserved", &PageAllocator::min_reserved)

@@ -94,6 +94,26 @@ void BlockPool::give_pages(const std::vector<int64_t>& pages) {
   pa_->free_pages(pages);
 }
 
+// The lowest partly used page that holds all `rest` blocks, else the lowest partly used page.
+// Lowest first packs live blocks into few pages (measured against best fit, which held more
+// pages: benchmarks/results/page_choice_host.md); taking the whole rest from one page keeps a
+// request's blocks together instead of spreading them over small holes, where a few cached
+// blocks would later hold many pages. One block (decode) takes the lowest page at once.
+// `most` bounds every partly used page's free blocks: a scan that finds none big enough lowers it,
+// so one alloc call scans the pages at most once per size it still lacks (pages only lose blocks).
+int64_t BlockPool::first_fit(int64_t rest, int64_t& most) const {
+  int64_t lowest = *partial_.begin();
+  if (rest <= static_cast<int64_t>(stack_[lowest].size()) || rest > most) return lowest;
+  int64_t seen = 0;
+  for (int64_t p : partial_) {
+    int64_t f = static_cast<int64_t>(stack_[p].size());
+    if (f >= rest) return p;
+    seen = std::max(seen, f);
+  }
+  most = seen;
+  return lowest;
+}
+
 std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
   if (n < 0) throw_value("alloc(n) needs n >= 0, got " + std::to_string(n) + ".");
   std::vector<int64_t> out;
@@ -130,8 +150,9 @@ std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
     }
   }
   out.reserve(n);
+  int64_t most = bpp_;
   while (static_cast<int64_t>(out.size()) < n) {
-    int64_t p = *partial_.begin();
+    int64_t p = first_fit(n - static_cast<int64_t>(out.size()), most);
     auto& st = stack_[p];
     while (!st.empty() && static_cast<int64_t>(out.size()) < n) {
       int64_t id = p * bpp_ + st.back();
@@ -140,7 +161,7 @@ std::optional<std::vector<int64_t>> BlockPool::alloc(int64_t n) {
       used_[p]++;
       out.push_back(id);
     }
-    if (st.empty()) partial_.erase(partial_.begin());
+    if (st.empty()) partial_.erase(p);
   }
   free_held_.fetch_sub(n, std::memory_order_relaxed);
   num_allocated_.fetch_add(n, std::memory_order_relaxed);

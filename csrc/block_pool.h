@@ -38,6 +38,7 @@ class BlockPool {
  private:
   int64_t valid_blocks(int64_t page) const;
   void adopt_page(int64_t page);
+  int64_t first_fit(int64_t rest, int64_t& most) const;  // the page a request's next blocks come from
   bool get_pages(int64_t k, std::vector<int64_t>& got);
   void give_pages(const std::vector<int64_t>& pages);
   enum class Accept { Allocated, AllocatedOrPending, Pending };

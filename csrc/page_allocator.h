@@ -74,6 +74,9 @@ class PageAllocator {
   // Most pages in use at once since creation or the last reset_peak(): a burst shorter than any
   // observer's sampling period still shows.
   int64_t peak_in_use() const { return peak_in_use_.load(std::memory_order_relaxed); }
+  // Pages mapped and unmapped since creation (monitoring: how much the pool churns).
+  int64_t pages_mapped_total() const { return pages_mapped_.load(std::memory_order_relaxed); }
+  int64_t pages_unmapped_total() const { return pages_unmapped_.load(std::memory_order_relaxed); }
   void reset_peak();
   // Lazy reserve (serving engines; 0, the default, turns it off): the prealloc thread refills the
   // reserve to max_reserved in one run once it falls below min_reserved, an allocation that must
@@ -155,6 +158,7 @@ class PageAllocator {
 
   std::atomic<int64_t> limit_;
   std::atomic<int64_t> in_use_{0}, reserved_n_{0}, peak_in_use_{0};  // written under mu_
+  std::atomic<int64_t> pages_mapped_{0}, pages_unmapped_{0};          // written under mu_
   std::atomic<int64_t> lazy_ms_{0};
   // (time, pages in use) with decreasing counts: the front is the window's peak (guarded by mu_)
   std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> peaks_;

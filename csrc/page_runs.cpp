@@ -132,6 +132,7 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
     run_live_[a] = 0;
     for (int64_t p = a; p <= b; ++p) run_of_[p] = a;
   }
+  pages_mapped_.fetch_add(static_cast<int64_t>(pages.size()), std::memory_order_relaxed);
 }
 
 bool PageAllocator::unmap_runs_locked(const std::vector<int64_t>& firsts) {
@@ -182,6 +183,7 @@ bool PageAllocator::unmap_runs_locked(const std::vector<int64_t>& firsts) {
       state_[p] = kFree;
       free_.insert(p);
     }
+    pages_unmapped_.fetch_add(n, std::memory_order_relaxed);
     i = j;
   }
   return deferred;

@@ -175,5 +175,27 @@ def log_level() -> str:
     return value
 
 
+MAX_IPC_NAME = 100
+
+
 def ipc_name_override() -> str | None:
-    return _raw("KVCACHED_IPC_NAME")
+    """``KVCACHED_IPC_NAME``: this engine's /dev/shm segment, used exactly as given (kvctl finds it
+    by that name), so a name that would need changing is refused rather than changed."""
+    value = _raw("KVCACHED_IPC_NAME")
+    if value is None:
+        return None
+    bad = sorted({ch for ch in value if not (ch.isascii() and (ch.isalnum() or ch in "_-"))})
+    if bad or len(value) > MAX_IPC_NAME:
+        problem = f"holds {''.join(bad)!r}" if bad else f"has {len(value)} characters"
+        raise KVCachedConfigError(
+            f"KVCACHED_IPC_NAME={value!r} {problem}; use at most {MAX_IPC_NAME} of A-Z, a-z, 0-9, '_' and '-', "
+            "e.g. kvcached_engine_a (kvctl finds a segment by exactly this name)."
+        )
+    return value
+
+
+def nixl_any_transport() -> bool:
+    """``KVCACHED_NIXL_ANY_TRANSPORT``: let vLLM's NixlConnector register kvcached's KV memory whatever
+    transport NIXL uses. Off by default: a transport that resolves physical pages when the memory is
+    registered (RDMA, CUDA IPC) never sees the pages kvcached maps later (docs/pd_disaggregation.md)."""
+    return bool(env_bool("KVCACHED_NIXL_ANY_TRANSPORT", False))

@@ -34,8 +34,22 @@ from kvcached.log import get_kvcached_logger
 logger = get_kvcached_logger()
 
 
+class _Done:
+    """The event of host work: it ran before the call that launched it returned."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
 def record_event(device: torch.device) -> Any:
     """An event after the work launched so far on ``device``'s current stream (CUDA and ROCm alike)."""
+    if torch.device(device).type == "cpu":
+        return _Done
     event = torch.cuda.Event(blocking=True)
     event.record(torch.cuda.current_stream(device))
     return event

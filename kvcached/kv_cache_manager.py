@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvcached import config, vmm_ops
+from kvcached import config, limits, pool_registry, vmm_ops
 from kvcached.compat import PageAllocatorView
 from kvcached.deferred_free import DeferredFree
 from kvcached.errors import KVCachedConfigError, KVCachedStateError, KVCachePoolExhausted
@@ -44,6 +44,9 @@ def _read_once(indices: Iterable[int]) -> list[int] | tuple[int, ...]:
     """``free``'s ids as a list or tuple (an iterator is consumed here, once)."""
     if isinstance(indices, (list, tuple)):
         return indices
+    if isinstance(indices, (bytes, bytearray, memoryview, str)):  # they iterate as ints or characters
+        raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}: its bytes or characters "
+                         "are not block ids; pass a list such as [3, 4].")
     if not hasattr(indices, "__iter__"):
         raise ValueError(f"free: ids must be a list of ints, got {type(indices).__name__}.")
     return list(indices)
@@ -126,6 +129,8 @@ class KVCacheManager:
         self._bind_lock = threading.Lock()
         self._limits: dict[str, int] = {}
         self._limit_lock = threading.Lock()
+        self._memory_limit = limits.PoolLimit()  # set_memory_limit's revisioned limit (source "ipc")
+        self._control_lock = threading.Lock()
         self._pool: Any = None
         self._allocator: Any = None
         self._view: PageAllocatorView | None = None
@@ -140,6 +145,7 @@ class KVCacheManager:
             deferred_free = rt.choice.kind in ("cuda", "hip")  # host and null: nothing runs asynchronously
         self._deferred = DeferredFree(rt.torch_device, self._release) if deferred_free else None
         rt.managers.add(self)
+        pool_registry.register_kv_cache_pool(self)
         if vmm_ops.kv_tensors_created(group_id):
             self._bind()
         if async_sched:
@@ -436,6 +442,7 @@ class KVCacheManager:
         from kvcached import mem_info
 
         mem_info.unregister(self)
+        pool_registry.unregister_kv_cache_pool(self)
         if self._deferred is not None:
             try:
                 self._deferred.close()  # unmapping below must not pull pages from under running kernels
@@ -464,6 +471,42 @@ class KVCacheManager:
             self._raise_exhausted(need_size)
         return got  # type: ignore[return-value]
 
+    # -- revisioned limits (kvcached.control) and snapshots (kvcached.observability) ------
+    def set_memory_limit(self, limit_bytes: int | None, *, revision: int) -> dict[str, Any]:
+        """Cap this pool at ``limit_bytes`` (all layers, K and V; whole page groups, at most the pool) as
+        ``revision``. Returns :meth:`memory_limit_state` with ``status``: ``applied``, ``deferred`` (more is
+        in use: the pool shrinks as blocks are freed, nothing is taken away), ``stale`` (an older revision
+        than the one held) or ``conflict`` (the held revision with another limit); the last two change
+        nothing. None lifts the limit. It is the limit ``kvctl limit`` sets (the instance's, split)."""
+        limit, revision = limits.check_args(limit_bytes, revision)
+        self._bind()
+        with self._control_lock:
+            return limits.set_pool_limit(self, limit, revision)
+
+    def memory_limit_state(self) -> dict[str, Any]:
+        """The revisioned limit this pool holds and how it stands (see :meth:`set_memory_limit`)."""
+        self._bind()
+        with self._control_lock:
+            return limits.pool_state(self)
+
+    @property
+    def in_shrink(self) -> bool:
+        """More pages hold blocks than the pool's cap allows: it gives pages back as blocks are freed."""
+        alloc = self._allocator
+        return alloc is not None and int(alloc.num_in_use) > int(alloc.limit_pages)
+
+    def observability_snapshot(self, *, integration: str | None = None) -> Any:
+        """A read-only :class:`kvcached.observability.KVCachePoolSnapshot` of this pool."""
+        from kvcached import observability
+
+        pool_registry.check_integration(integration)
+        # an unbound pool is described without waiting for its KV tensors
+        return observability.build_kv_cache_pool_snapshot(self, integration=integration, allocator=self._view)
+
+    def observability_snapshot_dict(self, *, integration: str | None = None) -> dict[str, Any]:
+        """:meth:`observability_snapshot` as a JSON-serialisable dict."""
+        return self.observability_snapshot(integration=integration).to_dict()
+
     # -- what kvcached.mem_info publishes and sets --------------------------
     def usage(self) -> PoolUsage | None:
         """This pool's memory, as its /dev/shm segment shows it; None before the KV tensors
@@ -477,7 +520,8 @@ class KVCacheManager:
                          capacity=self.num_pages * self.page_group_bytes, device_total=self.device_total,
                          layout=rt.layout.value,
                          device="tp" if rt.choice.kind == "null" else rt.device,  # a TP engine's ranks map it
-                         peak=int(alloc.peak_in_use) * self.page_group_bytes)
+                         peak=int(alloc.peak_in_use) * self.page_group_bytes,
+                         pages_mapped=int(alloc.pages_mapped_total), pages_unmapped=int(alloc.pages_unmapped_total))
 
     def reset_peak(self) -> None:
         """Start a new window for ``usage().peak`` at what is in use now (``kvctl peak --reset``)."""
@@ -509,3 +553,5 @@ class PoolUsage:
     layout: str  # "contiguous" or "per_layer"
     device: str
     peak: int = 0  # most bytes of pages holding blocks at once since the pool was bound or reset_peak()
+    pages_mapped: int = 0  # page indices mapped since the pool was bound (each maps every layer, K and V)
+    pages_unmapped: int = 0

@@ -33,11 +33,13 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvcached import config
+from kvcached import config, limits
 from kvcached.errors import KVCachedStateError
+from kvcached.limits import MAX_LIMIT, NO_LIMIT, check_limit  # noqa: F401 (segment users read them here)
 from kvcached.log import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -59,7 +61,23 @@ _LIMIT_NS_OFF = _BODY_OFF + 7 * 8
 _PEAK_OFF = _BODY_OFF + 128  # peak_used; then peak_reset_ns (asked by kvctl), peak_since_ns (applied)
 _PEAK_RESET_OFF = _PEAK_OFF + 8
 _PEAK_SINCE_OFF = _PEAK_OFF + 16
-NO_LIMIT = -1
+# Appended the same way: the limit's revision (kvcached.control), the revision the engine applied
+# (both stored + 1, so a zeroed tail means none), pages mapped and unmapped so far, and the
+# limit state of up to MAX_POOLS pools.
+_TAIL = struct.Struct("<qqqqq")
+_TAIL_OFF = _BODY_OFF + _BODY.size
+_REVISION_OFF = _TAIL_OFF
+_APPLIED_OFF = _TAIL_OFF + 8
+_COUNTS_OFF = _TAIL_OFF + 16
+_POOL = struct.Struct("<24sqqqqq")  # name, group, effective limit (-1: none), capacity, mapped, status
+_POOLS_OFF = _TAIL_OFF + _TAIL.size
+MAX_POOLS = 8
+_STATUS_CODES = {"applied": 1, "deferred": 2}
+SEGMENT_MODE = 0o600  # only the owner (and root) may read or set an engine's limit
+# A reader that sees the counter odd this long checks whether any writer holds the lock; if none
+# does, a writer died mid-write and the segment is reported damaged instead of waited on.
+_DAMAGE_CHECK_S = 0.02
+_READ_TIMEOUT_S = 2.0
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvcached_"
@@ -85,6 +103,12 @@ class MemInfo:
     peak_used: int = 0  # most bytes in use at once since peak_since_ns (each pool's own peak, summed)
     peak_since_ns: int = 0  # when the engine started, or applied the last `kvctl peak --reset`
     peak_reset_ns: int = 0  # the last reset asked for; equal to peak_since_ns once applied
+    damaged: bool = False  # a writer died mid-write: the fields may be torn (the owner's next publish mends it)
+    limit_revision: int = -1  # the revision of ``limit`` (kvcached.control; kvctl limit takes the next); -1: none
+    applied_revision: int = -1  # the revision the engine applied last
+    pages_mapped: int = 0  # pages this instance's pools mapped since they started
+    pages_unmapped: int = 0
+    pools: list[dict[str, Any]] = field(default_factory=list)  # each pool's limit state, as the engine published it
 
     @property
     def total_size(self) -> int:
@@ -159,8 +183,9 @@ def _create_segment(path: str) -> bool:
     no reader can find the segment before its header is written.
     """
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(6).hex()}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, SEGMENT_MODE)
     try:
+        os.fchmod(fd, SEGMENT_MODE)  # the umask may have cleared the owner's bits too
         buf = bytearray(SEGMENT_BYTES)
         _HEADER.pack_into(buf, 0, MAGIC, VERSION, 0)
         struct.pack_into("<q", buf, _LIMIT_OFF, NO_LIMIT)
@@ -176,11 +201,12 @@ def _create_segment(path: str) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    if pid <= 0:
+    # anyone may write a segment: a pid no process can have (kill takes a C int) is simply not alive
+    if not isinstance(pid, int) or not 0 < pid < 1 << 31:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True
@@ -194,31 +220,70 @@ def _unpack(name: str, buf: Any) -> MemInfo:
     if version != VERSION:
         raise ValueError(f"{segment_path(name)} has layout version {version}; this kvcached reads version {VERSION}.")
     f = _BODY.unpack_from(buf, _BODY_OFF)
-    return MemInfo(name, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
-                   f[8].rstrip(b"\0").decode(errors="replace"), f[9].rstrip(b"\0").decode(errors="replace"),
-                   peak_used=f[10], peak_reset_ns=f[11], peak_since_ns=f[12])
+    rev, applied, mapped, unmapped, npools = _TAIL.unpack_from(buf, _TAIL_OFF)
+    pools = []
+    for i in range(max(0, min(npools, MAX_POOLS))):
+        pname, group, eff, cap, used, code = _POOL.unpack_from(buf, _POOLS_OFF + i * _POOL.size)
+        status = next((k for k, v in _STATUS_CODES.items() if v == code), "unknown")
+        pools.append({"pool_name": _text(pname), "group_id": group, "effective_limit_bytes": None if eff < 0 else eff,
+                      "current_capacity_bytes": cap, "mapped_bytes": used, "status": status})
+    return MemInfo(name, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], _text(f[8]), _text(f[9]),
+                   peak_used=f[10], peak_reset_ns=f[11], peak_since_ns=f[12], limit_revision=rev - 1,
+                   applied_revision=applied - 1, pages_mapped=mapped, pages_unmapped=unmapped, pools=pools)
 
 
-def _read_consistent(name: str, mm: Any) -> MemInfo:
-    for _ in range(10000):
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+def _read_damaged(name: str, mm: Any, fd: int) -> MemInfo | None:
+    """The segment marked damaged if its counter is odd while no writer holds the lock, else None."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # a live writer is at work: wait for it
+        return None
+    try:
+        (seq,) = struct.unpack_from("<Q", mm, _SEQ_OFF)
+        if seq % 2 == 0:
+            return None
+        info = _unpack(name, mm)
+        info.damaged = True
+        return info
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _read_consistent(name: str, mm: Any, fd: int | None = None) -> MemInfo:
+    """A consistent read; with ``fd``, a counter left odd by a dead writer gives a damaged read."""
+    start = time.monotonic()
+    while True:
         (s1,) = struct.unpack_from("<Q", mm, _SEQ_OFF)
         if s1 % 2 == 0:
             info = _unpack(name, mm)
             (s2,) = struct.unpack_from("<Q", mm, _SEQ_OFF)
             if s1 == s2:
                 return info
+        waited = time.monotonic() - start
+        if fd is not None and waited > _DAMAGE_CHECK_S and (info := _read_damaged(name, mm, fd)) is not None:
+            return info
+        if waited > _READ_TIMEOUT_S:
+            raise TimeoutError(f"segment {name} stayed mid-write for {_READ_TIMEOUT_S:.0f} s while a writer held "
+                               "its lock; is a writer stuck?")
         time.sleep(0.0001)
-    raise TimeoutError(f"segment {name} stayed mid-write; is a writer stuck?")
 
 
 def read_segment(name: str) -> MemInfo:
-    """Read one segment; FileNotFoundError if absent, ValueError if it is not ours."""
+    """Read one segment; FileNotFoundError if absent, ValueError if it is not ours.
+
+    A segment whose writer died mid-write reads with ``damaged`` set (its fields may be torn):
+    kvctl shows it, and ``limit`` or ``delete`` take the writers' lock and mend or remove it.
+    """
     path = segment_path(name)
     fd = _open_segment(path, os.O_RDONLY)
     try:
         _check_segment(path, fd)
         with mmap.mmap(fd, SEGMENT_BYTES, access=mmap.ACCESS_READ) as mm:
-            return _read_consistent(name, mm)
+            return _read_consistent(name, mm, fd)
     finally:
         os.close(fd)
 
@@ -263,23 +328,54 @@ class _Writer:
             os.unlink(self.path)
 
     def write(self, items: list[tuple[int, str, tuple[Any, ...]]]) -> None:
+        # packed before the counter goes odd: a value that does not fit raises with nothing written
+        try:
+            packed = [(off, struct.pack(fmt, *values)) for off, fmt, values in items]
+        except struct.error as exc:
+            raise ValueError(f"{self.path}: a value does not fit its field ({exc}); nothing was written.") from None
         (seq,) = struct.unpack_from("<Q", self.mm, _SEQ_OFF)
         seq += seq % 2  # a writer that died mid-write left it odd
         struct.pack_into("<Q", self.mm, _SEQ_OFF, seq + 1)
-        for off, fmt, values in items:
-            struct.pack_into(fmt, self.mm, off, *values)
+        for off, data in packed:
+            self.mm[off:off + len(data)] = data
         struct.pack_into("<Q", self.mm, _SEQ_OFF, seq + 2)
 
 
+def _write_limit_locked(w: _Writer, limit_bytes: int, revision: int | None) -> str:
+    """Under the writers' lock: ``written``, ``repeated`` (that revision holds that limit already),
+    ``stale`` or ``conflict`` (nothing written). None: the next revision (``kvctl limit``)."""
+    (held,) = struct.unpack_from("<q", w.mm, _REVISION_OFF)
+    held -= 1
+    (limit,) = struct.unpack_from("<q", w.mm, _LIMIT_OFF)
+    if revision is not None and revision < held:
+        return "stale"
+    if revision is not None and revision == held:
+        return "repeated" if limit == limit_bytes else "conflict"
+    revision = held + 1 if revision is None else revision
+    w.write([(_LIMIT_OFF, "<q", (limit_bytes,)), (_LIMIT_NS_OFF, "<q", (time.time_ns(),)),
+             (_REVISION_OFF, "<q", (revision + 1,))])
+    return "written"
+
+
 def write_limit(name: str, limit_bytes: int) -> MemInfo:
-    """Set the limit of a live segment (``kvctl limit``); NO_LIMIT removes it."""
-    if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool) or limit_bytes < NO_LIMIT:
-        raise ValueError(f"limit must be an int number of bytes >= 0, got {limit_bytes!r}.")
+    """Set the limit of a live segment (``kvctl limit``) as its next revision; NO_LIMIT removes it."""
+    check_limit(limit_bytes)
     path = segment_path(name)
     read_segment(name)  # FileNotFoundError / ValueError before touching anything
     with _Writer(path, create=False) as w:
-        w.write([(_LIMIT_OFF, "<q", (limit_bytes,)), (_LIMIT_NS_OFF, "<q", (time.time_ns(),))])
+        _write_limit_locked(w, limit_bytes, None)
         return _read_consistent(name, w.mm)
+
+
+def write_limit_revision(name: str, limit_bytes: int, revision: int) -> tuple[str, MemInfo]:
+    """Set the limit as ``revision`` unless the segment holds a newer one (``stale``) or this one with
+    another limit (``conflict``); returns the outcome and the segment (see kvcached.control)."""
+    check_limit(limit_bytes)
+    path = segment_path(name)
+    read_segment(name)
+    with _Writer(path, create=False) as w:
+        outcome = _write_limit_locked(w, limit_bytes, revision)
+        return outcome, _read_consistent(name, w.mm)
 
 
 def request_peak_reset(name: str) -> int:
@@ -357,14 +453,18 @@ def _engine_tag() -> str:
     return "proc"
 
 
-def _segment_owned_by_other_live_process(name: str) -> bool:
+def _segment_taken(name: str) -> bool:
     try:
         info = read_segment(name)
     except FileNotFoundError:
         return False
     except ValueError:  # someone else's file (or another kvcached version's): not ours to take
         return True
-    return info.pid != os.getpid() and pid_alive(info.pid)
+    try:
+        foreign = os.stat(segment_path(name), follow_symlinks=False).st_uid != os.geteuid()
+    except FileNotFoundError:
+        return False
+    return foreign or (info.pid != os.getpid() and pid_alive(info.pid))
 
 
 def get_default_ipc_name() -> str:
@@ -377,7 +477,7 @@ def get_default_ipc_name() -> str:
     global _ipc_name_cache
     explicit = config.ipc_name_override()
     if explicit:
-        return sanitize_ipc_name(explicit)
+        return explicit
     if _ipc_name_cache is not None:
         return _ipc_name_cache
     try:
@@ -387,7 +487,7 @@ def get_default_ipc_name() -> str:
     base = f"{SHM_PREFIX}{_engine_tag()}_{group}"
     name = base
     for i in range(1, 1000):
-        if not _segment_owned_by_other_live_process(name):
+        if not _segment_taken(name):
             break
         name = f"{base}_{i}"
     _ipc_name_cache = name
@@ -395,6 +495,20 @@ def get_default_ipc_name() -> str:
 
 
 # -- the engine side -------------------------------------------------------
+def _make_private(w: _Writer) -> None:
+    """Refuse a segment another user owns (they could set this engine's limit); make ours owner-only
+    (one left by an older kvcached or by hand may be writable by others)."""
+    st = os.fstat(w.fd)
+    if st.st_uid != os.geteuid():
+        raise KVCachedStateError(
+            f"segment {w.path} belongs to user id {st.st_uid}, not to this process's user ({os.geteuid()}), who "
+            "could then set this engine's memory limit; set KVCACHED_IPC_NAME to another name, or have the file "
+            "removed."
+        )
+    if stat.S_IMODE(st.st_mode) != SEGMENT_MODE:
+        os.fchmod(w.fd, SEGMENT_MODE)
+
+
 class Publisher:
     """Owns this process's segment: publishes usage, applies limits, removes it at the end."""
 
@@ -402,12 +516,13 @@ class Publisher:
         self.name = name
         self.path = segment_path(name)
         self.managers: weakref.WeakSet = weakref.WeakSet()
-        self._applied: int | None = None
+        self._applied: tuple[int, int] | None = None  # (limit, revision) applied to the pools
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._lock = threading.Lock()
         try:
             with _Writer(self.path, create=True) as w:
+                _make_private(w)
                 old = _unpack(name, w.mm)  # under the lock: a dead owner is replaced by one process only
                 if old.pid != os.getpid() and pid_alive(old.pid):
                     raise KVCachedStateError(
@@ -416,7 +531,8 @@ class Publisher:
                     )
                 now = time.time_ns()
                 w.write([(_BODY_OFF, _BODY.format,
-                          (NO_LIMIT, 0, 0, 0, 0, os.getpid(), now, 0, b"", b"", 0, now, now))])
+                          (NO_LIMIT, 0, 0, 0, 0, os.getpid(), now, 0, b"", b"", 0, now, now)),
+                         (_TAIL_OFF, f"{_TAIL.size + MAX_POOLS * _POOL.size}x", ())])  # no revision, no pools
         except (ValueError, OSError) as exc:
             raise KVCachedStateError(
                 f"{self.path} exists and is not a kvcached segment of this version ({exc}); kvcached does not "
@@ -426,8 +542,8 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name=f"kvcached-meminfo-{name}", daemon=True)
         self._thread.start()
 
-    def _snapshot(self) -> tuple[int, int, int, int, str, str, int]:
-        used = prealloc = capacity = total = peak = 0
+    def _snapshot(self) -> tuple[int, int, int, int, str, str, int, int, int]:
+        used = prealloc = capacity = total = peak = maps = unmaps = 0
         layout = device = ""
         for m in list(self.managers):
             u = m.usage()  # no driver call from this thread (the device total was read at start)
@@ -437,44 +553,75 @@ class Publisher:
             prealloc += u.prealloc
             capacity += u.capacity
             peak += u.peak
+            maps += u.pages_mapped
+            unmaps += u.pages_unmapped
             total, layout, device = u.device_total, u.layout, u.device
-        return used, prealloc, capacity, total, layout, device, peak
+        return used, prealloc, capacity, total, layout, device, peak, maps, unmaps
+
+    def _pool_records(self) -> list[tuple[int, str, tuple[Any, ...]]]:
+        states = []
+        for m in list(self.managers):
+            with m._control_lock:
+                if m._allocator is not None:
+                    states.append(limits.pool_state(m))
+        states.sort(key=lambda s: (s["pool_name"], s["group_id"]))
+        out = [(_COUNTS_OFF + 16, "<q", (min(len(states), MAX_POOLS),))]
+        for i, s in enumerate(states[:MAX_POOLS]):
+            eff = -1 if s["effective_limit_bytes"] is None else s["effective_limit_bytes"]
+            out.append((_POOLS_OFF + i * _POOL.size, _POOL.format,
+                        (s["pool_name"].encode()[:24], s["group_id"], eff, s["current_capacity_bytes"],
+                         s["mapped_bytes"], _STATUS_CODES.get(s["status"], 0))))
+        return out
 
     def publish(self, w: _Writer | None = None) -> None:
         if w is None:
             with _Writer(self.path, create=False) as w2:
                 self.publish(w2)
             return
-        used, prealloc, capacity, total, layout, device, peak = self._snapshot()
+        used, prealloc, capacity, total, layout, device, peak, maps, unmaps = self._snapshot()
+        applied = [] if self._applied is None else [(_APPLIED_OFF, "<q", (self._applied[1] + 1,))]
         w.write([(_BODY_OFF + 8, "<qqqqqq", (used, prealloc, capacity, total, os.getpid(), time.time_ns())),
                  (_BODY_OFF + 64, "<16s48s", (layout.encode()[:16], device.encode()[:48])),
-                 (_PEAK_OFF, "<q", (peak,))])
+                 (_PEAK_OFF, "<q", (peak,)), (_COUNTS_OFF, "<qq", (maps, unmaps)), *applied,
+                 *self._pool_records()])
+
+    def limit_revision(self) -> int:
+        """The revision of the limit this segment holds (-1: none)."""
+        return read_segment(self.name).limit_revision
+
+    def apply_revisioned_limit(self, limit: int | None, revision: int,
+                               apply: Callable[[], list[dict[str, Any]]]) -> tuple[str, list[dict[str, Any]] | None]:
+        """kvcached.control in this process: record ``(limit, revision)`` unless the segment holds a newer
+        revision (``stale``) or this one with another limit (``conflict``: then ``(outcome, None)``), and run
+        ``apply`` (the pools' own calls) under the lock the monitor applies limits under."""
+        seg_limit = NO_LIMIT if limit is None else limit
+        with self._lock, _Writer(self.path, create=False) as w:
+            outcome = _write_limit_locked(w, seg_limit, revision)
+            if outcome in ("stale", "conflict"):
+                return outcome, None
+            states = apply()
+            self._applied = (seg_limit, revision)
+            self.publish(w)
+            return outcome, states
 
     def reset_peak(self) -> None:
         for m in list(self.managers):
             m.reset_peak()
 
-    def apply_limit(self, limit: int) -> None:
-        """Split ``limit`` bytes over this process's pools by their capacity; NO_LIMIT lifts the cap."""
-        pools = [(m, u) for m in list(self.managers) if (u := m.usage()) is not None]
-        capacity = sum(u.capacity for _, u in pools)
-        for m, u in pools:
-            if limit < 0:
-                m.set_limit("ipc", None)
-                continue
-            share = limit * u.capacity // max(capacity, 1)
-            pages = share // m.page_group_bytes
-            # the allocator unmaps its reserve above the cap now, and in-use pages as they are freed
-            m.set_limit("ipc", pages)
-        self._applied = limit
+    def apply_limit(self, limit: int, revision: int = -1) -> None:
+        """Split ``limit`` bytes over this process's pools by their capacity (kvcached.limits' split);
+        NO_LIMIT lifts the cap. A pool that holds a newer revision of its own keeps it."""
+        pools = [m for m in list(self.managers) if m.usage() is not None]
+        limits.apply_instance_limit(pools, None if limit < 0 else limit, revision)
+        self._applied = (limit, revision)
 
     def tick(self) -> None:
         # holding the writers' lock there is no other writer, so an odd counter means one
         # died mid-write: read directly, and this write makes the counter even again
         with self._lock, _Writer(self.path, create=False) as w:
             info = _unpack(self.name, w.mm)
-            if info.limit != self._applied:
-                self.apply_limit(info.limit)
+            if (info.limit, info.limit_revision) != self._applied:
+                self.apply_limit(info.limit, info.limit_revision)
             ack = []
             if info.peak_reset_ns > info.peak_since_ns:
                 self.reset_peak()
@@ -535,7 +682,7 @@ def _start_locked() -> Publisher:
         except KVCachedStateError:
             # Two processes of one group (engines started together) may both find a default name free
             # and race to create it: the loser takes the next suffix. A name the user chose stays an error.
-            if attempt == 7 or config.ipc_name_override() or not _segment_owned_by_other_live_process(name):
+            if attempt == 7 or config.ipc_name_override() or not _segment_taken(name):
                 raise
             _ipc_name_cache = None
     return _publisher

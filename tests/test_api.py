@@ -11,7 +11,7 @@ import torch
 
 from kvcached import _vmm, utils, vmm_ops
 from kvcached.backend import choose_backend
-from kvcached.errors import KVCachedStateError
+from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.kv_cache_manager import KVCacheManager
 
 MiB = 1 << 20
@@ -64,8 +64,11 @@ def test_constants_follow_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVCACHED_CONTIGUOUS_LAYOUT")
     assert utils.CONTIGUOUS_LAYOUT is (not getattr(torch.version, "hip", None))
     assert utils.default_contiguous_layout("hip") is False and utils.default_contiguous_layout("host") is True
-    monkeypatch.setenv("KVCACHED_IPC_NAME", "my engine/1")
-    assert utils.DEFAULT_IPC_NAME == "my-engine-1"
+    monkeypatch.setenv("KVCACHED_IPC_NAME", "my-engine_1")
+    assert utils.DEFAULT_IPC_NAME == "my-engine_1"
+    monkeypatch.setenv("KVCACHED_IPC_NAME", "my engine/1")  # refused, not rewritten: kvctl finds the name as set
+    with pytest.raises(KVCachedConfigError, match="KVCACHED_IPC_NAME='my engine/1' holds ' /'"):
+        _ = utils.DEFAULT_IPC_NAME
     monkeypatch.delenv("KVCACHED_IPC_NAME")
     # the engine tag depends on which engine this process has imported (the e2e tests import vLLM)
     assert re.match(rf"kvcached_(proc|vLLM|SGLang)_{os.getpgid(0)}(_\d+)?$", utils.DEFAULT_IPC_NAME)

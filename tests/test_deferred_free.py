@@ -145,6 +145,25 @@ def test_host_backend_frees_at_once_by_default(monkeypatch: pytest.MonkeyPatch, 
         vmm_ops.shutdown_kvcached()
 
 
+def test_deferred_free_asked_for_on_the_host_backend_frees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host work is synchronous, so a deferred free there has nothing to wait for (it raised a torch
+    error for a CUDA event and left the blocks allocated for good)."""
+    monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "64")
+    monkeypatch.setenv("KVCACHED_PAGE_PREALLOC_ENABLED", "false")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    vmm_ops.init_kvcached("cpu", contiguous_layout=True)
+    try:
+        vmm_ops.create_kv_tensors(4 * (2 << 20), 1, "cpu", num_layers=1)
+        mgr = KVCacheManager(num_blocks=64, block_size=16, cell_size=4096, num_layers=1, deferred_free=True)
+        mgr.free(mgr.alloc(40))  # two pages: both empty now
+        assert mgr.pending_free_blocks == 0 and mgr.num_allocated_blocks() == 0
+        assert mgr.page_allocator.num_in_use == 0
+        mgr.close()
+    finally:
+        vmm_ops.shutdown_kvcached()
+
+
 # -- only a free that could unmap a page waits ----------------------------------------
 def test_a_free_that_leaves_its_page_in_use_is_immediate(manager: KVCacheManager, events: list[FakeEvent]) -> None:
     a, b = manager.alloc(1), manager.alloc(1)  # both on page 0

@@ -358,3 +358,20 @@ def test_split_heuristic_fills_the_gpu():
     assert _pick_splits(1 * 8, 8192, 64, 304, hip=True)[0] > 1  # MI300X
     with cfg.override(decode_num_splits=5):
         assert cfg.decode_config(3, 2, 32, 16, 2, 100, 0).num_splits == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("given", [{"k_scale": 0.5}, {"v_scale": torch.tensor([2.0])},
+                                   {"k_scale": 1.0, "v_scale": 1.0}])
+def test_scales_on_a_cache_that_is_not_fp8_are_refused_as_write_kv_cache_refuses_them(dtype, given):
+    from kvcached.kernels import write_kv_cache
+
+    args, kw = _case(dtype=dtype)
+    q, k, v = args[:3]
+    given = {n: (s.to(DEVICE) if isinstance(s, torch.Tensor) else s) for n, s in given.items()}
+    with pytest.raises(ValueError) as written:
+        write_kv_cache(q[:2, :2], q[:2, :2], k, v, torch.tensor([0, 1], device=DEVICE), **given)
+    with pytest.raises(ValueError) as attended:
+        paged_attention(*args, **kw, **given)
+    assert str(attended.value) == str(written.value)
+    assert "fp8 caches only" in str(attended.value)

@@ -1,11 +1,12 @@
 """``kvctl``: list kvcached instances and set their KV memory limits.
 
     kvctl list [NAME...] [--json]
-    kvctl limit NAME SIZE            # 2G, 512M, 1.5GiB, bytes
+    kvctl limit NAME SIZE [--revision N]   # 2G, 512M, 1.5GiB, bytes; N: kvcached.control's revision rules
     kvctl limit-percent NAME PCT     # percent of the device's memory
     kvctl peak NAME [--reset]        # most KV memory in use at once (--reset: start a new window)
     kvctl watch [-n SEC] [NAME...]
     kvctl delete NAME
+    kvctl serve-metrics [--port 9400] [--host 127.0.0.1] [NAME...]   # Prometheus /metrics (kvcached.metrics)
 
 NAME is the name of a segment in /dev/shm as ``kvctl list`` shows it, never a path:
 kvctl touches no file outside /dev/shm, and no file there that is not a kvcached segment.
@@ -19,7 +20,7 @@ import sys
 import time
 
 from kvcached import mem_info
-from kvcached.cli.utils import get_kv_cache_limit, update_kv_cache_limit
+from kvcached.cli.utils import get_kv_cache_limit, refresh_arg, refresh_seconds, update_kv_cache_limit
 from kvcached.utils import format_size, parse_size
 
 
@@ -30,9 +31,16 @@ def _infos(names: list[str] | None) -> list[mem_info.MemInfo]:
             out.append(mem_info.read_segment(name))
         except FileNotFoundError:
             print(f"kvctl: no segment named {name!r}", file=sys.stderr)
-        except ValueError as exc:
-            print(f"kvctl: {exc}", file=sys.stderr)
+        except (ValueError, OSError, TimeoutError) as exc:  # one bad segment never hides the others
+            print(f"kvctl: {_why(exc)}", file=sys.stderr)
     return out
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, PermissionError):
+        return (f"{exc.filename or 'segment'}: permission denied; a segment is readable and writable by its "
+                "engine's user only: run kvctl as that user (or root).")
+    return str(exc)
 
 
 def render_table(infos: list[mem_info.MemInfo]) -> str:
@@ -45,9 +53,10 @@ def render_table(infos: list[mem_info.MemInfo]) -> str:
         pid = f"{i.pid}" if mem_info.pid_alive(i.pid) else f"{i.pid}(dead)"
         limit = "none" if i.limit < 0 else format_size(i.limit)
         pct = 100.0 * i.used_size / i.total_size if i.total_size > 0 else 0.0
+        note = "  damaged: a writer died mid-write (kvctl delete removes it)" if i.damaged else ""
         lines.append(f"{i.name:32} {pid:>8} {i.device:8} {i.layout:10} {limit:>11} {format_size(i.used_size):>11} "
                      f"{format_size(i.prealloc_size):>11} {format_size(i.peak_used):>11} "
-                     f"{format_size(i.capacity):>11} {pct:5.1f}%")
+                     f"{format_size(i.capacity):>11} {pct:5.1f}%{note}")
     return "\n".join(lines)
 
 
@@ -98,15 +107,35 @@ def _set(name: str, size: int, json_out: bool) -> int:
     return 0
 
 
-def cmd_limit(name: str, size_text: str, json_out: bool = False) -> int:
-    if str(size_text).strip().lower() in ("none", "unlimited", "off"):
-        return _set(name, mem_info.NO_LIMIT, json_out)
+def cmd_limit(name: str, size_text: str, json_out: bool = False, revision: int | None = None) -> int:
+    lift = str(size_text).strip().lower() in ("none", "unlimited", "off")
     try:
-        size = parse_size(size_text)
+        size = mem_info.NO_LIMIT if lift else mem_info.check_limit(parse_size(size_text))
     except ValueError as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
-        return 2
-    return _set(name, size, json_out)
+        return _fail(str(exc), json_out, 2)
+    if revision is None:
+        return _set(name, size, json_out)
+    return _set_revision(name, None if lift else size, revision, json_out)
+
+
+def _set_revision(name: str, size: int | None, revision: int, json_out: bool) -> int:
+    """``kvctl limit --revision``: kvcached.control's rules (a stale or conflicting revision changes nothing)."""
+    from kvcached import control
+
+    try:
+        result = control.set_instance_memory_limit(size, revision=revision, name=name)
+    except FileNotFoundError:
+        return _missing(name, json_out)
+    except ValueError as exc:
+        return _fail(str(exc), json_out, 2)
+    ok = result["status"] not in ("stale", "conflict")
+    if json_out:
+        print(json.dumps({"ok": ok, **result}))
+    else:
+        held = "" if ok else f" (it holds revision {result['revision']})"
+        print(f"{name}: revision {revision}: {result['status']}{held}"
+              + (f" ({result['reason']})" if result["reason"] else ""))
+    return 0 if ok else 1
 
 
 def cmd_limit_percent(name: str, percent: float, json_out: bool = False) -> int:
@@ -162,6 +191,7 @@ def cmd_delete(name: str, json_out: bool = False) -> int:
 
 
 def cmd_watch(interval: float, names: list[str] | None, json_out: bool = False, count: int = 0) -> int:
+    interval = refresh_seconds(interval)
     n = 0
     try:
         while True:
@@ -178,6 +208,26 @@ def cmd_watch(interval: float, names: list[str] | None, json_out: bool = False, 
         return 0
 
 
+def cmd_serve_metrics(port: int, host: str, names: list[str] | None, json_out: bool = False) -> int:
+    """Serve Prometheus ``/metrics`` for the instances (all, or ``names``) until Ctrl-C."""
+    from kvcached import metrics
+
+    try:
+        server = metrics.serve(port, host, names or None)
+    except ValueError as exc:  # no prometheus_client, a bad port
+        return _fail(str(exc), json_out, 2)
+    url = f"http://{host}:{server.server_port}/metrics"
+    print(json.dumps({"ok": True, "url": url}) if json_out else f"kvctl: serving kvcached metrics on {url}",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl", description="List kvcached instances and set their KV memory limits.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -188,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("limit", help="set an absolute limit, e.g. 2G or 512M; 'none' lifts it")
     s.add_argument("name")
     s.add_argument("size")
+    s.add_argument("--revision", type=int, default=None,
+                   help="a controller's revision: refused if the segment holds a newer one (see kvcached.control)")
     s.add_argument("--json", action="store_true", dest="json_sub")
     s = sub.add_parser("limit-percent", help="set the limit as a percent of the device's memory")
     s.add_argument("name")
@@ -198,8 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reset", action="store_true", help="start a new window (waits until the engine applied it)")
     s.add_argument("--json", action="store_true", dest="json_sub")
     s = sub.add_parser("watch", help="refresh the list every interval")
-    s.add_argument("-n", "--interval", type=float, default=1.0)
+    s.add_argument("-n", "--interval", type=refresh_arg, default=1.0, help="seconds between frames (> 0)")
     s.add_argument("--count", type=int, default=0, help="stop after this many frames (0: until Ctrl-C)")
+    s.add_argument("names", nargs="*")
+    s.add_argument("--json", action="store_true", dest="json_sub")
+    s = sub.add_parser("serve-metrics", help="serve Prometheus /metrics of the instances (needs prometheus_client)")
+    s.add_argument("--port", type=int, default=9400, help="TCP port (0: any free one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("names", nargs="*")
     s.add_argument("--json", action="store_true", dest="json_sub")
     s = sub.add_parser("delete", help="remove an instance's segment")
@@ -211,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     js = bool(args.json or getattr(args, "json_sub", False))
+    try:
+        return _dispatch(args, js)
+    except (OSError, TimeoutError) as exc:  # another user's segment, a stuck writer: a message, not a traceback
+        return _fail(_why(exc), js)
+
+
+def _dispatch(args: argparse.Namespace, js: bool) -> int:
     names = args.names if hasattr(args, "names") else [args.name]
     for name in names:
         try:
@@ -220,13 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         return cmd_list(args.names, js)
     if args.command == "limit":
-        return cmd_limit(args.name, args.size, js)
+        return cmd_limit(args.name, args.size, js, args.revision)
     if args.command == "limit-percent":
         return cmd_limit_percent(args.name, args.percent, js)
     if args.command == "peak":
         return cmd_peak(args.name, args.reset, js)
     if args.command == "watch":
         return cmd_watch(args.interval, args.names, js, args.count)
+    if args.command == "serve-metrics":
+        return cmd_serve_metrics(args.port, args.host, args.names, js)
     return cmd_delete(args.name, js)
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 from kvcached import mem_info
+from kvcached.cli.utils import refresh_arg, refresh_seconds
 from kvcached.utils import format_size
 
 BAR = 30
@@ -32,11 +33,13 @@ def render(names: list[str] | None = None) -> str:
         except FileNotFoundError:
             lines.append(f"{name}: (no segment)")
             continue
-        except ValueError as exc:  # a bad name, or a file that is not a kvcached segment
+        except (ValueError, OSError, TimeoutError) as exc:  # not a segment, another user's, a stuck writer
             lines.append(f"{name}: {exc}")
             continue
         found += 1
         state = "alive" if mem_info.pid_alive(i.pid) else "DEAD"
+        if i.damaged:
+            state += ", damaged: a writer died mid-write; kvctl delete removes it"
         limit = "none" if i.limit < 0 else format_size(i.limit)
         lines.append(f"{i.name}  pid {i.pid} ({state})  {i.device}  {i.layout}")
         lines.append(f"  {_bar(i.used_size, i.prealloc_size, i.total_size)}  used {format_size(i.used_size)}"
@@ -47,6 +50,7 @@ def render(names: list[str] | None = None) -> str:
 
 
 def kvtop(names: list[str] | None = None, refresh: float = 1.0, once: bool = False) -> None:
+    refresh = refresh_seconds(refresh)
     try:
         while True:
             frame = render(names)
@@ -62,7 +66,7 @@ def kvtop(names: list[str] | None = None, refresh: float = 1.0, once: bool = Fal
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvtop", description="Live view of kvcached KV memory.")
     p.add_argument("names", nargs="*")
-    p.add_argument("-r", "--refresh", type=float, default=1.0)
+    p.add_argument("-r", "--refresh", type=refresh_arg, default=1.0, help="seconds between frames (> 0)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     args = p.parse_args(argv)
     kvtop(args.names, args.refresh, args.once)

@@ -41,6 +41,27 @@ def update_kv_cache_limit(ipc_name: str, kv_cache_limit: int) -> MemInfo | None:
         return None
 
 
+def refresh_seconds(value: float | str) -> float:
+    """A refresh interval in seconds: a finite number > 0, else ValueError saying so."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"refresh interval must be a positive number of seconds, e.g. 0.5 or 2; got {value!r}.")
+    return seconds
+
+
+def refresh_arg(text: str) -> float:
+    """``refresh_seconds`` for argparse: a bad value is a usage error (exit 2), not a traceback."""
+    import argparse
+
+    try:
+        return refresh_seconds(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def delete_kv_cache_segment(ipc_name: str) -> bool:
     return mem_info.delete_segment(ipc_name)
 

@@ -28,6 +28,16 @@ Problem = tuple[torch.Tensor, Callable[[tuple[int, ...]], str]]  # (bad mask, me
 _SCALES: dict = {}
 
 
+def refuse_scales(cache_dtype: torch.dtype, **scales: object) -> None:
+    """ValueError if any scale is given for a cache that is not fp8: one message for every kernel,
+    so a caller that passes a scale it thinks is used learns it is not."""
+    if all(value is None for value in scales.values()):
+        return
+    names = "/".join(scales)
+    verb = "applies" if len(scales) == 1 else "apply"
+    raise ValueError(f"{names} {verb} to fp8 caches only; this cache is {cache_dtype}.")
+
+
 def scale_tensor(where: str, name: str, value: torch.Tensor | float | None, device: torch.device,
                  default: float | None = None) -> torch.Tensor:
     """A one-element float32 tensor for an fp8 per-tensor scale.

@@ -341,8 +341,7 @@ def paged_mla_decode(
     if fp8:
         ks = checks.scale_tensor("", "kv_scale", kv_scale, query.device)
     else:
-        if kv_scale is not None:
-            raise ValueError(f"kv_scale applies to fp8 caches only; this cache is {kv_cache.dtype}.")
+        checks.refuse_scales(kv_cache.dtype, kv_scale=kv_scale)
         ks = unit_scale(query.device)
     if checks.enabled(query):
         checks.check_mla_decode(kv_cache, block_table, seq_lens, max_seq_len, ks if fp8 else None)

@@ -89,7 +89,7 @@ _DUMMIES: dict = {}
 
 def _as_scale(name: str, value: Scale, device: torch.device, needed: bool) -> torch.Tensor | None:
     """The fp8 scale tensor (1.0 when None), or None for a cache that needs none (a value given is
-    still checked: the same rule as write_kv_cache and paged_mla_decode)."""
+    checked first, then refused by the caller as write_kv_cache and paged_mla_decode refuse it)."""
     if value is None and not needed:
         return None
     t = checks.scale_tensor("paged_attention: ", name, value, device, default=1.0)
@@ -543,6 +543,8 @@ def paged_attention(
     fp8 = k_cache.dtype != query.dtype
     ks = _as_scale("k_scale", k_scale, dev, fp8)
     vs = _as_scale("v_scale", v_scale, dev, fp8)
+    if not fp8:
+        checks.refuse_scales(k_cache.dtype, k_scale=k_scale, v_scale=v_scale)
     if checks.enabled(query):
         checks.check_paged_attention(query, k_cache, block_table, seq_lens, query_start_loc, max_query_len,
                                      max_seq_len, {"k_scale": ks, "v_scale": vs} if fp8 else {}, min_q)

@@ -239,8 +239,7 @@ def write_kv_cache(
         ks = checks.scale_tensor("", "k_scale", k_scale, device)
         vs = checks.scale_tensor("", "v_scale", v_scale, device)
     else:
-        if k_scale is not None or v_scale is not None:
-            raise ValueError(f"k_scale/v_scale apply to fp8 caches only; this cache is {k_cache.dtype}.")
+        checks.refuse_scales(k_cache.dtype, k_scale=k_scale, v_scale=v_scale)
         ks = vs = unit_scale(device)
     if checks.enabled(key):
         checks.check_write_kv(slot_mapping, k_cache, {"k_scale": ks, "v_scale": vs} if fp8 else {})

@@ -219,6 +219,22 @@ def _kv_views(runner: object, layers: int = 4) -> list | None:
         return [repr(exc)]
 
 
+def _nixl_state() -> dict | None:
+    """What this worker's NixlConnector registered (``kv_transfer_config`` engines): per region its base
+    address, block length and stride, and the bytes of the storages it registered."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None
+    worker = getattr(get_kv_transfer_group(), "connector_worker", None) if has_kv_transfer_group() else None
+    if worker is None or not hasattr(worker, "block_len_per_layer"):
+        return None
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in worker.device_kv_caches.values()}
+    return {"num_blocks": worker.num_blocks, "block_len": worker.block_len_per_layer,
+            "block_stride": worker.block_stride_per_layer, "registered": sorted(storages.values()),
+            "bases": [b - min(storages) for b in worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank]]}
+
+
 def _count_preemptions(llm: object) -> list[int]:
     """Preemptions the scheduler makes (an engine in this process only): batches with a preempted and
     recomputed request differ from an unpreempted run's, so their bf16 rounding may differ too."""
@@ -345,7 +361,7 @@ def main() -> None:
                   max_num_seqs=spec.get("max_num_seqs", 16))
     for key in ("attention_backend", "enable_prefix_caching", "gpu_memory_utilization", "kv_cache_memory_bytes",
                 "load_format", "async_scheduling", "compilation_config", "max_num_batched_tokens", "block_size",
-                "skip_tokenizer_init", "tensor_parallel_size", "distributed_executor_backend"):
+                "skip_tokenizer_init", "tensor_parallel_size", "distributed_executor_backend", "kv_transfer_config"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
     # start_after: another engine's ready file (it has autotuned and cached its Triton kernels' choices for this one)
@@ -455,7 +471,7 @@ def main() -> None:
         "segment_peak": segment_peak, "preemptions": preemptions[0], "kv_groups": kv_groups, "page_size": page_size,
         "runner": type(runner).__module__ if backend else None, "autotune": _autotune_choices(),
         "batches": next((p["batches"] for p in phases if "batches" in p), None),
-        "kv_views": kv_views,
+        "kv_views": kv_views, "nixl": _nixl_state(),
     }), flush=True)
 
 

@@ -142,6 +142,16 @@ def test_cache_is_bounded_by_max_cached_tokens(make_pool) -> None:
     assert len(evicted) >= 7  # evicted blocks lost their hash: no stale prefix hit
 
 
+def test_a_cache_bound_below_one_block_keeps_one_block(make_pool) -> None:
+    pool = make_pool(max_cached_tokens=BLOCK // 2)  # a positive bound: the prefix cache stays on
+    assert pool.max_cached_blocks == 1
+    for _ in range(3):
+        block = pool.get_new_blocks(1)
+        _cache(pool, block)
+        pool.free_blocks(block)
+        assert pool.free_block_queue.num_free_blocks == 1  # kept for a prefix hit (was evicted at once)
+
+
 def test_eviction_takes_whole_pages_first(make_pool) -> None:
     pool = make_pool()
     first = pool.get_new_blocks(BPP - 1)  # the rest of page 0

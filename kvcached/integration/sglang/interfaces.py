@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvcached import vmm_ops
+from kvcached import observability, pool_registry, vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.integration.vllm.interfaces import _default_device, virtual_bytes_per_kv
 from kvcached.kv_cache_manager import KVCacheManager
@@ -26,6 +26,7 @@ _world_size: int = 1
 _pp_rank: int = 0
 # bytes of one token of one layer's K (or V) in each group's buffers: a manager must use the same cell size
 _token_bytes: dict[int, int] = {}
+INTEGRATION = "sglang"  # the tag of this integration's pools in kvcached.pool_registry
 
 
 def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, device: str | None = None,
@@ -47,7 +48,13 @@ def shutdown_kvcached() -> bool:
         vmm_ops.shutdown_kvcached()
     _token_bytes.clear()
     _kvcached_initialized, _kvcached_device, _async_sched = False, None, False
+    pool_registry.clear_registered_kv_cache_pools(integration=INTEGRATION)
     return True
+
+
+def kv_cache_pool_snapshot_dicts() -> list[dict[str, Any]]:
+    """JSON snapshots of this integration's live pools (:mod:`kvcached.observability`)."""
+    return observability.get_registered_kv_cache_pool_snapshot_dicts(integration=INTEGRATION)
 
 
 def alloc_kv_cache(kvcache_shape: tuple[int, ...], dtype: torch.dtype, device: str, num_layers: int,
@@ -109,6 +116,8 @@ def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_l
             f"cell_size={cell_size} B does not match the {token_bytes} B per token of group {group_id}'s "
             "buffers from alloc_kv_cache (heads x head_dim x dtype size)."
         )
-    return KVCacheManager(num_blocks, block_size, cell_size, num_layers, _world_size, pp_rank=_pp_rank,
-                          async_sched=_async_sched, reserve_null_block=reserve_null_block,
-                          num_kv_buffers=num_kv_buffers, group_id=group_id, pool_name=pool_name)
+    manager = KVCacheManager(num_blocks, block_size, cell_size, num_layers, _world_size, pp_rank=_pp_rank,
+                             async_sched=_async_sched, reserve_null_block=reserve_null_block,
+                             num_kv_buffers=num_kv_buffers, group_id=group_id, pool_name=pool_name)
+    pool_registry.register_kv_cache_pool(manager, integration=INTEGRATION)
+    return manager

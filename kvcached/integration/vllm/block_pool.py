@@ -40,7 +40,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached import config, mem_info
 from kvcached.errors import KVCachePoolExhausted
-from kvcached.integration.vllm import interfaces, kv_alloc, tp
+from kvcached.integration.vllm import interfaces, kv_alloc, settings, tp
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -88,7 +88,8 @@ class KVCachedBlockPool(BlockPool):
         self._held = 0  # blocks reserved in kvcached for the allocation the scheduler just checked
         self._pending_need: int | None = None
         self._allocating = False
-        self.max_cached_blocks = self._max_cached_blocks(info.block_size)
+        cached = settings.max_cached_blocks(info.block_size)
+        self.max_cached_blocks = 1 << 62 if cached < 0 else cached
         self._pressure_checked = 0.0
         self.pressure_evictions = 0  # cached blocks given back because the device was nearly full
         self.lock = threading.RLock()
@@ -97,13 +98,6 @@ class KVCachedBlockPool(BlockPool):
         if self.tp_changes is None and enable_caching:
             self._relief = threading.Thread(target=self._relief_loop, name="kvcached-cache-relief", daemon=True)
             self._relief.start()
-
-    @staticmethod
-    def _max_cached_blocks(block_size: int) -> int:
-        tokens = config.max_cached_tokens()
-        if tokens < 0:
-            return 1 << 62
-        return tokens // block_size
 
     # -- how many blocks the scheduler may take ---------------------------
     def expect(self, need: int) -> None:
@@ -233,15 +227,20 @@ class KVCachedBlockPool(BlockPool):
             return 0
         bpp = self.blocks_per_page
         by_page: dict[int, list[KVCacheBlock]] = {}
-        for block in queue.get_all_free_blocks():  # least recently used first
+        lru = queue.get_all_free_blocks()  # least recently used first
+        for block in lru:
             by_page.setdefault(block.block_id // bpp, []).append(block)
         whole = [blocks for page, blocks in by_page.items() if len(blocks) == self._page_count[page]]
-        partial = [blocks for page, blocks in by_page.items() if len(blocks) != self._page_count[page]]
         chosen: list[KVCacheBlock] = []
-        for blocks in whole + partial:
+        for blocks in whole:
             if len(chosen) >= want:
                 break
             chosen.extend(blocks)
+        if len(chosen) < want:
+            # a page that keeps a live block stays mapped whatever goes: evict no more than asked, oldest first
+            taken = {b.block_id for b in chosen}
+            rest = [b for b in lru if b.block_id not in taken]
+            chosen.extend(rest[:want - len(chosen)])
         for block in chosen:
             queue.remove(block)
             if self.enable_caching:

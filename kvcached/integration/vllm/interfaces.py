@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvcached import vmm_ops
+from kvcached import observability, pool_registry, vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.kv_cache_manager import KVCacheManager
 from kvcached.layout import FLASH_ATTN, FLASHINFER, KVGeometry, KVSpec, Layout, kv_cache_view, mla_view
@@ -26,6 +26,7 @@ _async_sched: bool = False
 _world_size: int = 1
 _pp_rank: int = 0
 _is_worker: bool = False
+INTEGRATION = "vllm"  # the tag of this integration's pools in kvcached.pool_registry
 
 
 def _default_device() -> str:
@@ -69,7 +70,13 @@ def shutdown_kvcached() -> bool:
     _kvcached_device = None
     _async_sched = False
     _is_worker = False
+    pool_registry.clear_registered_kv_cache_pools(integration=INTEGRATION)
     return True
+
+
+def kv_cache_pool_snapshot_dicts() -> list[dict[str, Any]]:
+    """JSON snapshots of this integration's live pools (:mod:`kvcached.observability`)."""
+    return observability.get_registered_kv_cache_pool_snapshot_dicts(integration=INTEGRATION)
 
 
 def _require_init() -> vmm_ops.Runtime:
@@ -168,9 +175,11 @@ def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_l
                          reserve_null_block: bool = True) -> KVCacheManager:
     """The block allocator over ``alloc_kv_cache``'s tensors (block 0 reserved for padding, as in vLLM)."""
     _require_init()
-    return KVCacheManager(num_blocks, block_size, cell_size, num_layers, _world_size, pp_rank=_pp_rank,
-                          async_sched=_async_sched, reserve_null_block=reserve_null_block,
-                          num_kv_buffers=num_kv_buffers, group_id=group_id, pool_name=pool_name)
+    manager = KVCacheManager(num_blocks, block_size, cell_size, num_layers, _world_size, pp_rank=_pp_rank,
+                             async_sched=_async_sched, reserve_null_block=reserve_null_block,
+                             num_kv_buffers=num_kv_buffers, group_id=group_id, pool_name=pool_name)
+    pool_registry.register_kv_cache_pool(manager, integration=INTEGRATION)
+    return manager
 
 
 def cell_size_of(shape: tuple[int, ...], dtype: torch.dtype, attention_type: str = "MHA") -> int:

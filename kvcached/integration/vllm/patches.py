@@ -13,7 +13,9 @@ Hook points (all in vLLM's installed source):
   ``KVCacheManager.new_step_starts`` lets the pool follow a lowered limit;
 - the platform's ``get_attn_backend_cls``: picks the kvcached Triton backend when
   asked for by name (``KVCACHED``), forced by ``KVCACHED_ATTENTION_BACKEND=kvcached``,
-  or automatically on ROCm with the contiguous layout.
+  or automatically on ROCm with the contiguous layout;
+- ``KVConnectorFactory.create_connector``: a NIXL connector gets its KV regions cut to
+  kvcached's blocks and its transports checked (:mod:`nixl_compat`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kvcached.integration.vllm import settings
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
+
+_get_max_cached_blocks = settings.max_cached_blocks  # the existing kvcached's name and module
 
 _lock = threading.Lock()
 _applied = False
@@ -294,6 +298,9 @@ def apply() -> None:
         _patch_worker_side()
         _patch_scheduler_side()
         _patch_tensor_parallel()
+        from kvcached.integration.vllm import nixl_compat
+
+        nixl_compat.install()
         from kvcached.integration.common import shutdown_at_exit
         from kvcached.integration.vllm import interfaces
 

@@ -26,6 +26,9 @@ def register() -> None:
     from kvcached.integration.vllm import patches
 
     patches.apply()  # checks the vLLM version first
+    from kvcached import metrics
+
+    metrics.register_engine_collector()  # this engine's KV memory on vLLM's /metrics (with prometheus_client)
     if not _cleanup_registered:
         _cleanup_registered = True
         atexit.register(remove_dead_segments)

@@ -11,7 +11,11 @@ import os
 from typing import Any
 
 from kvcached import config
+from kvcached import utils as kv_utils
 from kvcached.errors import KVCachedConfigError
+from kvcached.log import get_kvcached_logger
+
+logger = get_kvcached_logger()
 
 BACKEND_NAME = "KVCACHED"
 BACKEND_PATH = "kvcached.integration.vllm.backend.KVCachedAttentionBackend"
@@ -28,6 +32,23 @@ def attention_backend_choice() -> str:
             f"KVCACHED_ATTENTION_BACKEND={value!r} is not one of auto, kvcached, vllm."
         )
     return aliases[value]
+
+
+def max_cached_blocks(block_size: int) -> int:
+    """Blocks of evictable prefix cache ``KVCACHED_MAX_CACHED_TOKENS`` allows: -1 unlimited, 0 none.
+
+    A positive bound below one block keeps one block: 0 would turn the prefix cache off,
+    which only ``0`` asks for. Read through ``kvcached.utils`` (the name users patch).
+    """
+    tokens = int(kv_utils.MAX_CACHED_TOKENS)
+    if tokens < 0:
+        return -1
+    blocks = tokens // block_size
+    if tokens and not blocks:
+        logger.warning("KVCACHED_MAX_CACHED_TOKENS=%d is below one block of %d tokens; flooring max cached blocks "
+                       "to 1 so that the prefix cache stays on (0 turns it off)", tokens, block_size)
+        return 1
+    return blocks
 
 
 def is_rocm() -> bool:
