@@ -3,7 +3,7 @@
 
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \\
         --format=csv -lms 100 > smi.csv &
-    python3 benchmarks/probe_power_cap.py 16,8,1
+    python3 benchmarks/experiments/probe_power_cap.py 16,8,1
 
 For each query length: ours on inputs built as ``sweep_decode.py`` builds them (oursA) and as ``bench_peers.py``
 does (oursB), FA3 (vLLM's CUDA build) on B, each timed as ``bench_peers`` times (a fresh graph, ``do_bench``
@@ -18,7 +18,7 @@ import time
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 

@@ -1,6 +1,7 @@
 """Experiment, not used by kvcached: a warp-specialised causal paged prefill for Hopper in Gluon (Triton 3.6 only).
 
-Measurements: benchmarks/results/gluon_prefill_steps_h200.md and gluon_prefill_h200*.md. Why it exists: the
+Measurements (removed from the tree; name@commit: ``git show commit:benchmarks/results/name``):
+gluon_prefill_steps_h200.md@3208548 and the gluon_prefill_h200*.md runs of that commit. Why it exists: the
 portable prefill (``kvcached.kernels.attention_prefill``) leaves what plain Triton 3.6 cannot express on Hopper:
 the tensor cores idle through each softmax (Triton waits for every wgmma right after issuing it), and a
 program's set-up overlaps nothing. This kernel tries FlashAttention-3's structure with Gluon:
@@ -288,8 +289,8 @@ def _compute_partition(out_ptr, q_smem, k_smem, v_smem, info_smem, q_ready, q_fr
                                            is_async=True)
                     # tile j - 2's stage, whose PV product was waited for last iteration: released an iteration
                     # late so that nothing follows that wait (ptxas still puts it before the softmax: SASS in
-                    # gluon_prefill_steps_h200.md). No barrier first: a warpgroup's wgmma is one operation, and
-                    # CUTLASS releases its stages the same way.
+                    # gluon_prefill_steps_h200.md@3208548). No barrier first: a warpgroup's wgmma is one operation,
+                    # and CUTLASS releases its stages the same way.
                     if j >= 2:
                         mbarrier.arrive(kv_free.index((it + j - 2) % STAGES), count=1)
                     acc = acc * gl.convert_layout(alpha, orow_l)[:, None]

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""The Gluon prefill experiment (benchmarks/gluon_prefill.py) against kvcached's prefill: correctness and speed.
+"""The Gluon prefill experiment (experiments/gluon_prefill.py) against kvcached's prefill: correctness and speed.
 
-    python benchmarks/gluon_prefill_ab.py                     # Hopper GPU, Triton 3.6 (the GPU machine's)
-    python benchmarks/gluon_prefill_ab.py --knobs '{"stages": 4}' --tag stages4
+    python benchmarks/experiments/gluon_prefill_ab.py                     # Hopper GPU, Triton 3.6 (the GPU machine's)
+    python benchmarks/experiments/gluon_prefill_ab.py --knobs '{"stages": 4}' --tag stages4
 
 Checks: both kernels against a float64 reference on small batches (per-layer and contiguous layouts, chunked
 prompts after cached tokens, a decode beside them), then timing by CUDA-graph replay (median of 3 do_bench
@@ -19,11 +19,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # gluon_prefill beside it, _bench_common one folder up
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--knobs", default="{}", help="JSON keyword arguments of gluon_prefill.launch_prefill_hopper")
 ap.add_argument("--tag", default="", help="suffix of the results file")
-ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"))
 ARGS = ap.parse_args()
 
 import torch  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Attention A/B at full clock and at the power cap: one kvcached tree per process, run them in turn.
 
-    python3 benchmarks/ab_power_cap.py ROOT TAG 64x8192x16,8x8192x1,1x8192x8192
+    python3 benchmarks/experiments/ab_power_cap.py ROOT TAG 64x8192x16,8x8192x1,1x8192x8192
 
 A case is ``BxCxQ``: B sequences of C keys with Q query tokens each (Q = C: a whole prompt; C = ``u``: lengths
 drawn from 256..16384 as ``sweep_decode.py`` draws them), ``BxCxQ:fp8`` the same values in an fp8 KV cache; bf16,
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _bench_common
 
 import torch  # noqa: E402
 from _bench_common import HEAD, capture_graph, case_lens, kernel_modules, sweep_batch, time_us  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """MLA decode of one kvcached checkout: graph-replay and eager time a shape; prints one MLA line each.
 
-    python benchmarks/mla_ab.py ROOT TAG      # ROOT: the checkout to import (an A/B runs two, one process each)
+    python benchmarks/experiments/mla_ab.py ROOT TAG   # ROOT: the checkout to import (an A/B runs two, one each)
 
 Shapes (bf16 latent 576 = 512 + 64 rope, block 16, per-layer cache, random block tables, every sequence at
 the full context): 1, 4 and 32 x 8k and 128 x 4k at 16 heads; 1 x 8k and 64 x 4k at 128 heads. Graph time:
@@ -17,7 +17,7 @@ import sys
 
 ROOT, TAG = sys.argv[1], sys.argv[2]
 sys.path.insert(0, os.path.abspath(ROOT))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # _bench_common
 
 import torch  # noqa: E402
 from _bench_common import BLOCK, DT, graph_time_us, mla_cache, time_us  # noqa: E402

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Sweep the MLA decode launch knobs on a GPU and print the best per shape (a tuning aid, not a benchmark).
 
-    python benchmarks/_tune_mla.py            # about 2-4 minutes on an H200
-    python benchmarks/_tune_mla.py --fast     # fewer combinations
+    python benchmarks/experiments/_tune_mla.py            # about 2-4 minutes on an H200
+    python benchmarks/experiments/_tune_mla.py --fast     # fewer combinations
 
 Uses ``kvcached.kernels.mla_decode.override``; copy the winners into ``launch_config`` /
 ``choose_num_splits``. Every configuration is checked against the float64 reference first.
@@ -15,7 +15,7 @@ import itertools
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 

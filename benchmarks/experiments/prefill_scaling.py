@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Prefill at equal total tokens (8192) and different prompt lengths: ours and FA3; prints one PSCALE line a case.
 
-    python benchmarks/prefill_scaling.py --fa3                          # ours and FA3 (vLLM's CUDA build)
-    python benchmarks/prefill_scaling.py --root OTHER --tag x --knobs '{"prefill_num_stages": 2}' --min-query-len 128
+    python benchmarks/experiments/prefill_scaling.py --fa3                          # ours and FA3 (vLLM's CUDA build)
+    python benchmarks/experiments/prefill_scaling.py --root OTHER --tag x --knobs '{"prefill_num_stages": 2}' \\
+        --min-query-len 128
 
 Cases: 64 x 128, 32 x 256, ... 1 x 8192 causal prompts (bf16, 32 query / 8 KV heads, head 128, block 16,
 random block tables, per-layer cache). Every case launches the same number of prefill programs (1024 on the
@@ -19,7 +20,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # _bench_common
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--root", default=".", help="the kvcached checkout to import")
 ap.add_argument("--tag", default="head", help="label of the lines")
