@@ -155,10 +155,17 @@ class ForkedEngine:
             os.kill(self.pid, signal.SIGKILL)
 
 
+# vLLM settings that it reads only when an engine starts (vllm.envs reads the environment at each access until an
+# engine core caches it; no module reads these at import): an engine forked with its own value is the same as one
+# started fresh with it, so they need no server of their own (each had cost a vLLM import in every worker).
+_READ_AT_ENGINE_START = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
+
+
 def _engine_only(key: str) -> bool:
-    """Variables that need no server of their own: kvcached's settings (the fork server never imports kvcached)
-    and pytest's name of the running test (which changes with every test; vLLM, torch and Triton never read it)."""
-    return key.startswith("KVCACHED_") or key in ("ENABLE_KVCACHED", "PYTEST_CURRENT_TEST")
+    """Variables that need no server of their own: kvcached's settings (the fork server never imports kvcached),
+    pytest's name of the running test (which changes with every test; vLLM, torch and Triton never read it) and
+    the vLLM settings read only when an engine starts."""
+    return key.startswith("KVCACHED_") or key in ("ENABLE_KVCACHED", "PYTEST_CURRENT_TEST", *_READ_AT_ENGINE_START)
 
 
 _SERVERS: dict[tuple, subprocess.Popen] = {}
