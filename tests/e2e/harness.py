@@ -192,7 +192,7 @@ def start_engine(spec: dict, env: dict[str, str]) -> subprocess.Popen | ForkedEn
     """Start one engine: forked from a server that has imported vLLM where the engine runs vLLM's CPU build
     (``engine_env(cpu=True)``; ``KVCACHED_E2E_FORK=0`` in the tests' environment turns that off), else a fresh
     process (GPU engines: CUDA must not be set up before a fork, and their imports are a small share)."""
-    cpu = all(env.get(k) == v for k, v in CPU_ENGINE_ENV.items())
+    cpu = all(env.get(k) == v for k, v in CPU_ENGINE_ENV.items() if k not in _READ_AT_ENGINE_START)
     if cpu and os.environ.get("KVCACHED_E2E_FORK", "1") != "0":
         server = _fork_server(env)
         fd, log = tempfile.mkstemp(prefix="kvcached_engine_", suffix=".log")
