@@ -345,7 +345,7 @@ def run_prefill(tab: Table, ceil: dict[str, float], sizes, flex_sizes: set[int])
                 out = fn()
                 check = close(torch.cat([out[:w], out[-w:]]), torch.cat([first, last]), f"prefill {layout.value} {n}")
                 # graph replay like the other tables: eager, a 2048-token prompt's ~100 us of GPU time hid behind
-                # 200-290 us of host launch (benchmarks/results/prefill_tiles_h200_s9.md, section 5)
+                # 200-290 us of host launch (benchmarks/results/prefill_launch_order_h200.md, section 5)
                 t = graph_time_us(fn, DEV) or time_us(fn, DEV)
                 tf = flops / t / 1e6
                 tab.add(n, f"ours {layout.value}", t, tf, 100 * tf / ceil["matmul"], None, check)

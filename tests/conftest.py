@@ -35,7 +35,40 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         pass
 
 
+# Matrices marked ``pairwise`` (parametrized over three or more axes, slow in Triton's interpreter) run a pairwise
+# cover of their parameters: every two values of two axes meet in some case that runs. KVCACHED_FULL_MATRIX=1 runs
+# every combination (on a GPU they all run: there they are fast).
+FULL_MATRIX = HAS_GPU or os.environ.get("KVCACHED_FULL_MATRIX", "0") not in ("", "0")
+
+
+def _axes(item: pytest.Item) -> set[tuple]:
+    """The case's value on each axis: one per parametrize mark (argnames given together are one axis)."""
+    out = set()
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in (names.split(",") if isinstance(names, str) else names)]
+        out.add((names[0], repr(tuple(item.callspec.params[n] for n in names))))
+    return out
+
+
+def _pairwise_skips(items: list[pytest.Item]) -> None:
+    from kvcached.kernels.compile_check import pairwise_cover
+
+    matrices: dict[object, list[pytest.Item]] = {}
+    for item in items:
+        if item.get_closest_marker("pairwise") is not None and hasattr(item, "callspec"):
+            matrices.setdefault(getattr(item, "function", item), []).append(item)
+    skip = pytest.mark.skip(reason="not in the pairwise cover of this matrix (KVCACHED_FULL_MATRIX=1 runs it)")
+    for cases in matrices.values():
+        keep = set(pairwise_cover([_axes(c) for c in cases]))
+        for i, case in enumerate(cases):
+            if i not in keep:
+                case.add_marker(skip)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not FULL_MATRIX:
+        _pairwise_skips(items)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU (CUDA or ROCm)")

@@ -84,6 +84,7 @@ def _features(name: str, num_heads: int = 4) -> dict:
     }[name]
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("feature", ["none", "window", "softcap", "alibi", "sinks", "noncausal", "all"])
@@ -91,6 +92,7 @@ def test_features_mixed_batch(feature, layout, style):
     run_case(layout=layout, style=style, **_features(feature))
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -98,6 +100,7 @@ def test_dtypes(dtype, layout, style):
     run_case(layout=layout, style=style, dtype=dtype, seed=1)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fp8", FP8)
@@ -173,6 +176,7 @@ def test_split_merge_paths_and_repeat(fused):
         run_case(q_lens=[1, 1], seq_lens=[90, 130], splits=7, seed=14)
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("fused", [0, 1])
 @pytest.mark.parametrize("feature", ["none", "window", "sinks"])
 @pytest.mark.parametrize("floor", [None, 0])
@@ -191,6 +195,7 @@ def test_balanced_splits_for_uneven_lengths(fused, feature, floor):
         run_case(q_lens=q_lens, seq_lens=seq_lens, splits=None, seed=26, **_features(feature))
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("fused", [0, 1])
 @pytest.mark.parametrize("feature", ["none", "window", "sinks", "all"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -248,6 +253,7 @@ SHORT_Q = [4, 1, 16, 2, 9]
 SHORT_S = [45, 30, 60, 17, 33]
 
 
+@pytest.mark.pairwise
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 1), (4, 4), (16, 1), (32, 1)])
 @pytest.mark.parametrize("splits", [1, 3])

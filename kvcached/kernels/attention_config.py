@@ -311,7 +311,7 @@ def _decode_config(
         # graph replay (benchmarks/results/decode_stream_h200.md), sequences of 256-16k keys, us: 16 226 -> 153,
         # 64 614 -> 507, 96 1108 -> 771, 128 1396 -> 1006 (2 a program), 256 2401 -> 2058; equal lengths 64 x 8k
         # -0.5 %, 128 x 8k +1.7 %, 256 x 8k +1.2 %, 64 x 8k x q4 +1 %, but 512 x 2k +7.9 % and 256 x 1k +16 %
-        # (kernels_h200_streamk_0d6badb.md against kernels_h200.md; 4-8 sequences a program, each a restart of
+        # (kernels_h200_streamk_past_one_wave.md against kernels_h200.md; 4-8 sequences a program, each a restart of
         # the key pipeline and a partial to merge), hence the cap. Under a CUDA graph max_seq_len is vLLM's
         # max_model_len, so batches of up to 132 sequences take it whatever their lengths: with a program's whole
         # sequences written directly (decode_ahead_h200.md, run C), equal short contexts cost 5-12 % over the
@@ -365,14 +365,15 @@ def prefill_base(head_pad: int, kv_itemsize: int, hip: bool, big_smem: bool, int
         # pipeline), 4 stages 1217. Other head sizes and tiles are not measured with it, so they keep it off.
         # The FEATURES compile (softcap, window, ALiBi, sinks, non-causal) at 64 keys spills 288 bytes a thread
         # (the 512 threads get 128 registers each), and ptxas serialises its wgmma (so does the plain one's, at 96
-        # bytes); at 32 keys, 4 stages: 32 bytes, not serialised. H200 (prefill_tiles_h200_s8b.md), one 8k prompt:
+        # bytes); at 32 keys, 4 stages: 32 bytes, not serialised. H200 (prefill_features_tiles_h200.md), one 8k prompt:
         # softcap 30 2450 -> 2224 us, a 4096-key window 1241 -> 1186; repeated against 64 keys with ALiBi and sinks
-        # (prefill_tiles_h200_s8e.md): 1635 -> 1468, 1638 -> 1465, 8 x 1k softcap 456 -> 415. Not for the plain
-        # compile (1217 -> 1330: the per-tile costs double) nor fp8 caches (1764 -> 1984; softcap 2820 -> 2941).
+        # (prefill_features_alibi_sinks_h200.md): 1635 -> 1468, 1638 -> 1465, 8 x 1k softcap 456 -> 415. Not for
+        # the plain compile (1217 -> 1330: the per-tile costs double) nor fp8 caches (1764 -> 1984; softcap 2820 ->
+        # 2941).
         if big_smem and features and kv_itemsize == 2:
             return PrefillConfig(block_m=256, block_n=32, num_warps=16, num_stages=4, bt_ahead=True)
         # The diagonal tiles in the interior loop (``one_run``), H200, bf16 32/8 heads d128, 8192 tokens in all,
-        # graph replay (prefill_tiles_h200_s8c.md, PSCALE lines, two runs), us: 64 x 128 133 -> 123, 32 x 256 148
+        # graph replay (prefill_one_loop_h200.md, PSCALE lines, two runs), us: 64 x 128 133 -> 123, 32 x 256 148
         # -> 137, 16 x 512 184 -> 174, 8 x 1k 259 -> 253, 4 x 2k 414 -> 411; but 2 x 4k 711 -> 718, 1 x 8k 1214 ->
         # 1233, the mixed batch 1042 -> 1052; fp8 caches lose (8 x 1k 342 -> 356). So for bf16/fp16 caches whose
         # sequences have at most ONE_RUN_KEYS keys only.
@@ -387,7 +388,7 @@ def concurrent_prefill(hip: bool) -> bool:
     """Run a mixed batch's prefill launch on a stream of its own beside the decode launch?
 
     The decodes move bytes, the prefill runs matrix products: side by side they share the GPU instead of taking
-    turns. H200, bf16 32/8 heads d128, graph replay (benchmarks/results/prefill_tiles_h200_s7c.md): 4 chunks of
+    turns. H200, bf16 32/8 heads d128, graph replay (benchmarks/results/prefill_side_stream_h200.md): 4 chunks of
     1024 on 3072 cached tokens + 60 decodes of 8k 1076 -> 1035 us; 8 prompts of 1k (the decode launch's programs
     all return) 267 -> 260. AMD: not measured, so off. ``override(concurrent_prefill=)`` forces it.
     """

@@ -21,7 +21,7 @@ Launch order: slots last-first, so a sequence's long causal tiles start early, a
 the head slots of one slot side by side. The GPU hands out programs in launch order;
 with the heads outermost, the last head's long tiles started after the first heads'
 short ones and ran on alone at the end. H200, bf16 32/8 heads d128, graph replay
-(benchmarks/results/prefill_tiles_h200_s9.md): 8 x 1k 254 -> 234 us, 4 x 2k 413 ->
+(benchmarks/results/prefill_launch_order_h200.md): 8 x 1k 254 -> 234 us, 4 x 2k 413 ->
 376, 4 chunks of 1024 after 3072 cached tokens 587 -> 551; one 8k prompt unchanged.
 
 Key tiles are split in three runs: masked tiles at the sliding-window edge, unmasked

@@ -227,7 +227,14 @@ def pairwise(variants: list) -> list[int]:
     not); what needs three is left to ``--full``. On gfx942 it compiles 65 of the 458 variants (65 of 258 before
     every decode and prefill variant came twice, for V's strides, and the cover grew by none).
     """
-    feats = [sorted(_features(v), key=repr) for v in variants]
+    return pairwise_cover([_features(v) for v in variants])
+
+
+def pairwise_cover(features: list[set]) -> list[int]:
+    """Indices (sorted) of items, each given by its set of features, such that every two features that some item
+    has together are both in a chosen item (and every single feature is): greedy, the earliest item winning ties.
+    :func:`pairwise` for compile variants; ``tests/conftest.py`` for the test matrices marked ``pairwise``."""
+    feats = [sorted(fs, key=repr) for fs in features]
     return _greedy_cover([{(f,) for f in fs} | set(itertools.combinations(fs, 2)) for fs in feats])
 
 

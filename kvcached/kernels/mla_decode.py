@@ -175,7 +175,8 @@ def launch_config(num_heads: int, hip: bool) -> dict[str, int]:
     """Heads per program, KV tile, warps and stages (per vendor: HIP has 64 KiB of LDS on gfx942)."""
     block_h = 16 if num_heads <= 16 else 32
     # CUDA: 4 warps spill part of the [16, 512] fp32 accumulator on sm90, yet measured 1.3-1.6x faster than
-    # 8 on the H200 (benchmarks/_tune_mla.py, 2026-11-30: b32 h16 8k 216 -> 153 us; b128 h16 4k 403 -> 282 us).
+    # 8 on the H200 (benchmarks/experiments/_tune_mla.py, 2026-11-30: b32 h16 8k 216 -> 153 us; b128 h16 4k 403 ->
+    # 282 us).
     cfg = {"BLOCK_H": block_h, "BLOCK_N": 16 if hip else 32, "num_warps": 8 if hip and block_h > 16 else 4,
            "num_stages": 2}
     if hip:

@@ -101,7 +101,7 @@ def direct_launch_ok(t: torch.Tensor) -> bool:
     """True when a plain eager call may launch its kernels without the custom op's dispatcher.
 
     Going through ``torch.ops`` costs hundreds of microseconds of host time per
-    call on the H200 host (benchmarks/results/attention_tuning.md), more than a
+    call on the H200 host (docs/attention_tuning.md), more than a
     decode step's GPU time. Under torch.compile, dispatch modes, tensor subclasses
     or meta tensors the op must be used, so that they see the call.
     """

@@ -155,10 +155,17 @@ class ForkedEngine:
             os.kill(self.pid, signal.SIGKILL)
 
 
+# vLLM settings that it reads only when an engine starts (vllm.envs reads the environment at each access until an
+# engine core caches it; no module reads these at import): an engine forked with its own value is the same as one
+# started fresh with it, so they need no server of their own (each had cost a vLLM import in every worker).
+_READ_AT_ENGINE_START = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
+
+
 def _engine_only(key: str) -> bool:
-    """Variables that need no server of their own: kvcached's settings (the fork server never imports kvcached)
-    and pytest's name of the running test (which changes with every test; vLLM, torch and Triton never read it)."""
-    return key.startswith("KVCACHED_") or key in ("ENABLE_KVCACHED", "PYTEST_CURRENT_TEST")
+    """Variables that need no server of their own: kvcached's settings (the fork server never imports kvcached),
+    pytest's name of the running test (which changes with every test; vLLM, torch and Triton never read it) and
+    the vLLM settings read only when an engine starts."""
+    return key.startswith("KVCACHED_") or key in ("ENABLE_KVCACHED", "PYTEST_CURRENT_TEST", *_READ_AT_ENGINE_START)
 
 
 _SERVERS: dict[tuple, subprocess.Popen] = {}
@@ -185,7 +192,7 @@ def start_engine(spec: dict, env: dict[str, str]) -> subprocess.Popen | ForkedEn
     """Start one engine: forked from a server that has imported vLLM where the engine runs vLLM's CPU build
     (``engine_env(cpu=True)``; ``KVCACHED_E2E_FORK=0`` in the tests' environment turns that off), else a fresh
     process (GPU engines: CUDA must not be set up before a fork, and their imports are a small share)."""
-    cpu = all(env.get(k) == v for k, v in CPU_ENGINE_ENV.items())
+    cpu = all(env.get(k) == v for k, v in CPU_ENGINE_ENV.items() if k not in _READ_AT_ENGINE_START)
     if cpu and os.environ.get("KVCACHED_E2E_FORK", "1") != "0":
         server = _fork_server(env)
         fd, log = tempfile.mkstemp(prefix="kvcached_engine_", suffix=".log")
