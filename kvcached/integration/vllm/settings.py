@@ -94,7 +94,7 @@ def memory_flag(cache_config: Any) -> str | None:
     """Which of vLLM's memory flags the user set: ``kv_cache_memory_bytes``, ``gpu_memory_utilization`` or None.
 
     vLLM keeps no record of whether ``--gpu-memory-utilization`` was given, so a value
-    equal to vLLM's default counts as not given (documented in README).
+    equal to vLLM's default counts as not given (documented in README, "Use with vLLM").
     """
     if getattr(cache_config, "kv_cache_memory_bytes", None):
         return "kv_cache_memory_bytes"

@@ -12,7 +12,7 @@ from kvcached.integration.common import check_range, release
 __all__ = ["check_vllm_version", "installed_vllm_version", "release"]
 
 # [MIN_VERSION, MAX_VERSION_EXCLUSIVE): the V1 internals ``adapters`` has an adapter for. A newer
-# vLLM is refused until it has been run (see README: which versions ran where).
+# vLLM is refused until it has been run (docs/vllm.md: which versions ran where).
 MIN_VERSION = (0, 24, 0)
 MAX_VERSION_EXCLUSIVE = (0, 33, 0)
 SUPPORTED_RANGE = ">=0.24.0,<0.33.0"
