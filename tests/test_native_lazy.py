@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from test_native_host import wait_for
 from test_native_runs import Pool
 
 vmm = pytest.importorskip("kvcached._vmm")
@@ -14,47 +15,31 @@ vmm = pytest.importorskip("kvcached._vmm")
 pytestmark = pytest.mark.usefixtures("own_host_budget")
 
 
-def _wait(cond, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
-
-
 def _runs(pool: Pool) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in pool.pa.runs()]
 
 
 def test_off_by_default_and_checked() -> None:
-    pool = Pool(pages=16, min_reserved=1, max_reserved=4, prealloc=True)
-    try:
+    with Pool(pages=16, min_reserved=1, max_reserved=4, prealloc=True) as pool:
         assert pool.pa.lazy_reserve_ms == 0
-        assert _wait(lambda: pool.pa.num_reserved == 1)  # without it: refilled to the minimum, page by page
+        assert wait_for(lambda: pool.pa.num_reserved == 1)  # without it: refilled to the minimum, page by page
         with pytest.raises(ValueError, match="ms >= 0"):
             pool.pa.set_lazy_reserve_ms(-1)
         with pytest.raises(TypeError):
             pool.pa.set_lazy_reserve_ms("5")
-    finally:
-        pool.close()
 
 
 def test_refill_goes_to_the_upper_bound_in_one_run() -> None:
-    pool = Pool(pages=16, min_reserved=2, max_reserved=6, prealloc=True)
-    try:
-        assert _wait(lambda: pool.pa.num_reserved == 2)  # filled to the minimum before the lazy reserve
+    with Pool(pages=16, min_reserved=2, max_reserved=6, prealloc=True) as pool:
+        assert wait_for(lambda: pool.pa.num_reserved == 2)  # filled to the minimum before the lazy reserve
         pool.pa.set_lazy_reserve_ms(50)
         assert pool.pa.alloc_pages(2) == [0, 1]  # below the minimum again
-        assert _wait(lambda: pool.pa.num_reserved == 6)
+        assert wait_for(lambda: pool.pa.num_reserved == 6)
         assert _runs(pool) == [(0, 2, 2), (2, 6, 0)]  # one allocation: one set of driver calls per region
-    finally:
-        pool.close()
 
 
 def test_inline_map_fills_the_reserve_in_the_same_run() -> None:
-    pool = Pool(pages=16, min_reserved=0, max_reserved=4, prealloc=True)
-    try:
+    with Pool(pages=16, min_reserved=0, max_reserved=4, prealloc=True) as pool:
         pool.pa.set_lazy_reserve_ms(50)
         got = pool.pa.alloc_pages(3)  # nothing reserved: mapped inline, with 4 more for the reserve
         assert got == [0, 1, 2]
@@ -62,28 +47,21 @@ def test_inline_map_fills_the_reserve_in_the_same_run() -> None:
         assert _runs(pool) == [(0, 7, 3)]
         assert pool.pa.alloc_pages(4) == [3, 4, 5, 6]  # from the reserve: no driver call
         assert _runs(pool) == [(0, 7, 7)]
-    finally:
-        pool.close()
 
 
 def test_inline_extra_respects_the_limit() -> None:
-    pool = Pool(pages=16, min_reserved=0, max_reserved=8, prealloc=True)
-    try:
+    with Pool(pages=16, min_reserved=0, max_reserved=8, prealloc=True) as pool:
         pool.pa.set_lazy_reserve_ms(50)
         pool.pa.set_limit_pages(5)
         assert pool.pa.alloc_pages(3) == [0, 1, 2]
         assert pool.pa.num_in_use + pool.pa.num_reserved <= 5
-    finally:
-        pool.close()
 
 
 def test_freed_pages_stay_mapped_for_the_window_then_go() -> None:
-    pool = Pool(pages=16, min_reserved=0, max_reserved=1, prealloc=True)
-    try:
+    with Pool(pages=16, min_reserved=0, max_reserved=1, prealloc=True) as pool:
         pool.pa.set_lazy_reserve_ms(600)
         pages = pool.pa.alloc_pages(8)
         pool.pa.free_pages(pages)
-        t0 = time.monotonic()
         time.sleep(0.3)
         # within the window: the load reached 8 pages, so they stay mapped (a next burst maps nothing)
         assert pool.pa.num_in_use == 0 and pool.pa.num_reserved >= 8
@@ -91,26 +69,20 @@ def test_freed_pages_stay_mapped_for_the_window_then_go() -> None:
         pool.pa.free_pages(pages)
         t0 = time.monotonic()
         # the load stays at 0: within the window plus the thread's period the reserve falls to its bound
-        assert _wait(lambda: pool.pa.num_reserved <= 1, timeout=3.0)
+        assert wait_for(lambda: pool.pa.num_reserved <= 1, timeout=3.0)
         took = time.monotonic() - t0
         assert 0.5 <= took <= 1.5, took
-    finally:
-        pool.close()
 
 
 def test_without_the_window_freed_pages_go_at_once() -> None:
-    pool = Pool(pages=16, min_reserved=0, max_reserved=1, prealloc=True)
-    try:
+    with Pool(pages=16, min_reserved=0, max_reserved=1, prealloc=True) as pool:
         pages = pool.pa.alloc_pages(8)
         pool.pa.free_pages(pages)
-        assert _wait(lambda: pool.pa.num_reserved <= 1, timeout=1.0)
-    finally:
-        pool.close()
+        assert wait_for(lambda: pool.pa.num_reserved <= 1, timeout=1.0)
 
 
 def test_trim_and_a_lower_limit_ignore_the_window() -> None:
-    pool = Pool(pages=16, min_reserved=0, max_reserved=1, prealloc=True)
-    try:
+    with Pool(pages=16, min_reserved=0, max_reserved=1, prealloc=True) as pool:
         pool.pa.set_lazy_reserve_ms(60_000)
         pages = pool.pa.alloc_pages(6)
         pool.pa.free_pages(pages[2:])
@@ -119,5 +91,3 @@ def test_trim_and_a_lower_limit_ignore_the_window() -> None:
         pool.pa.free_pages(pages[:2])
         pool.pa.trim()  # trim's promise is memory back now
         assert pool.pa.num_reserved == 0 and pool.pa.runs() == []
-    finally:
-        pool.close()

@@ -57,6 +57,12 @@ class Pool:
     def mapped_pages(self) -> set[int]:
         return {p for first, n, _ in self.pa.runs() for p in range(first, first + n)}
 
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self.pa.close()  # flushes the releases
         assert self.b.physical_bytes() == self.baseline and self.b.pending_release_bytes() == 0
