@@ -3,7 +3,9 @@ the range its hooks were written for, and shutting kvcached down at the process'
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 from kvcached.errors import KVCachedConfigError
 from kvcached.utils import get_kvcached_logger
@@ -62,3 +64,14 @@ def shutdown_at_exit(shutdown: Callable[[], object]) -> Callable[[], None]:
             logger.warning("kvcached shutdown at exit failed: %s", exc)
 
     return hook
+
+
+def wrap_once(owner: Any, name: str, make: Callable[[Any], Any], marker: str = "_kvcached") -> None:
+    """``owner.name = make(original)`` once: the wrapper carries ``marker``, so applying again (a second engine in
+    the process, a re-imported plugin) never stacks wrappers."""
+    original = getattr(owner, name)
+    if getattr(original, marker, False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, marker, True)
+    setattr(owner, name, wrapper)

@@ -22,12 +22,12 @@ Hook points (all in SGLang's installed source):
 from __future__ import annotations
 
 import atexit
-import functools
 import threading
 from typing import Any
 
 from kvcached import config
 from kvcached.errors import KVCachedConfigError
+from kvcached.integration.common import wrap_once
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -48,16 +48,6 @@ def kv_budget_bytes(total: int, fraction: float, reserved: int) -> int:
             "holds already (weights, activations); raise --mem-fraction-static."
         )
     return budget
-
-
-def _replace(owner: Any, name: str, make: Any) -> None:
-    """``owner.name = make(original)`` once: a wrapper is marked, so applying again never stacks wrappers."""
-    original = getattr(owner, name)
-    if getattr(original, "_kvcached", False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    wrapper._kvcached = True
-    setattr(owner, name, wrapper)
 
 
 def _patch_pool_classes() -> None:
@@ -95,8 +85,8 @@ def _patch_pool_classes() -> None:
 
         return _profile_available_bytes
 
-    _replace(cfg.KVCacheConfigurator, "_init_pools", checked_init_pools)
-    _replace(cfg.KVCacheConfigurator, "_profile_available_bytes", device_share)
+    wrap_once(cfg.KVCacheConfigurator, "_init_pools", checked_init_pools)
+    wrap_once(cfg.KVCacheConfigurator, "_profile_available_bytes", device_share)
 
 
 def check_layout_features(contiguous: bool, memory: Any, disagg: Any, spec: Any) -> None:
@@ -144,7 +134,7 @@ def _patch_radix_cache() -> None:
 
         return cache_finished_req
 
-    _replace(RadixCache, "cache_finished_req", bounded)
+    wrap_once(RadixCache, "cache_finished_req", bounded)
 
 
 def _patch_leak_check() -> None:
@@ -160,7 +150,7 @@ def _patch_leak_check() -> None:
 
         return _report_leak
 
-    _replace(SchedulerInvariantChecker, "_report_leak", counted_by_kvcached)
+    wrap_once(SchedulerInvariantChecker, "_report_leak", counted_by_kvcached)
 
 
 def _kvcached_allocators() -> tuple[type, ...]:

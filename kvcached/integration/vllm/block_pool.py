@@ -259,7 +259,7 @@ class KVCachedBlockPool(BlockPool):
         over = int(alloc.num_in_use) - int(alloc.limit_pages)
         if over > 0:
             self._evict(over * self.blocks_per_page)
-        elif self.free_block_queue.num_free_blocks and self._device_tight(alloc):
+        elif self._device_tight(alloc):
             self.pressure_evictions += self._evict(self.free_block_queue.num_free_blocks)
 
     def relieve_pressure(self) -> int:
@@ -268,7 +268,7 @@ class KVCachedBlockPool(BlockPool):
         if not self.free_block_queue.num_free_blocks or not self.lock.acquire(blocking=False):
             return 0
         try:
-            if self.kv is None or not self.free_block_queue.num_free_blocks:
+            if not self.free_block_queue.num_free_blocks:
                 return 0
             if not self._device_tight(self.kv.page_allocator):
                 return 0

@@ -42,7 +42,7 @@ import torch
 
 from kvcached import config, vmm_ops
 from kvcached.errors import KVCachedConfigError
-from kvcached.integration.vllm.version import release
+from kvcached.integration.common import release, wrap_once
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -129,23 +129,19 @@ def exact_views(kv_caches: Mapping[str, Any]) -> dict[str, Any]:
 def _install_register_hook() -> None:
     import importlib
 
-    owner = importlib.import_module(WORKER_MODULE).NixlBaseConnectorWorker
-    original = owner.register_kv_caches
-    if getattr(original, "_kvcached", False):
-        return
+    def hooked(original: Any) -> Any:
+        def register_kv_caches(self: Any, kv_caches: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            views = exact_views(kv_caches)
+            if any(views[name] is not kv_caches[name] for name in views):
+                if not getattr(self, "use_host_buffer", False):  # host staging registers vLLM's own buffers
+                    check_transport(list(getattr(self, "nixl_backends", ["UCX"])), os.environ.get("UCX_TLS"))
+                logger.info("kvcached: NIXL registers %d KV regions cut to vLLM's %d blocks",
+                            len({v.untyped_storage().data_ptr() for v in views.values()}), self.num_blocks)
+            return original(self, views, *args, **kwargs)
 
-    @functools.wraps(original)
-    def register_kv_caches(self: Any, kv_caches: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        views = exact_views(kv_caches)
-        if any(views[name] is not kv_caches[name] for name in views):
-            if not getattr(self, "use_host_buffer", False):  # host staging registers vLLM's own buffers
-                check_transport(list(getattr(self, "nixl_backends", ["UCX"])), os.environ.get("UCX_TLS"))
-            logger.info("kvcached: NIXL registers %d KV regions cut to vLLM's %d blocks",
-                        len({v.untyped_storage().data_ptr() for v in views.values()}), self.num_blocks)
-        return original(self, views, *args, **kwargs)
+        return register_kv_caches
 
-    register_kv_caches._kvcached = True  # type: ignore[attr-defined]
-    owner.register_kv_caches = register_kv_caches
+    wrap_once(importlib.import_module(WORKER_MODULE).NixlBaseConnectorWorker, "register_kv_caches", hooked)
 
 
 def uses_nixl(connector: Any) -> bool:

@@ -26,6 +26,7 @@ import math
 import threading
 from typing import Any
 
+from kvcached.integration.common import wrap_once
 from kvcached.integration.vllm import settings
 from kvcached.utils import get_kvcached_logger
 
@@ -194,21 +195,18 @@ def _patch_scheduler_side() -> None:
 def _under_pool_lock(owner: Any, name: str) -> None:
     from kvcached.integration.vllm.block_pool import KVCachedBlockPool
 
-    original = getattr(owner, name)
-    if getattr(original, "_kvcached_locked", False):
-        return
+    def under_lock(original: Any) -> Any:
+        def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
+            lock = getattr(pool, "lock", None) if isinstance(pool, KVCachedBlockPool) else None
+            if lock is None:
+                return original(self, *args, **kwargs)
+            with lock:
+                return original(self, *args, **kwargs)
 
-    @functools.wraps(original)
-    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = getattr(getattr(self, "kv_cache_manager", None), "block_pool", None)
-        lock = getattr(pool, "lock", None) if isinstance(pool, KVCachedBlockPool) else None
-        if lock is None:
-            return original(self, *args, **kwargs)
-        with lock:
-            return original(self, *args, **kwargs)
+        return locked
 
-    locked._kvcached_locked = True  # type: ignore[attr-defined]
-    setattr(owner, name, locked)
+    wrap_once(owner, name, under_lock, marker="_kvcached_locked")
 
 
 def _run_after(owner: Any, name: str, hook: Any) -> None:
