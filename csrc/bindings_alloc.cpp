@@ -175,6 +175,9 @@ void bind_allocators(py::module_& m) {
       .def_property_readonly("backend", &PageAllocator::backend)
       .def_property_readonly("tensors", &PageAllocator::tensors)
       .def("obtainable_pages", &PageAllocator::obtainable_pages)
+      .def("device_tight", &PageAllocator::device_tight,
+           "The device's free memory (as last read: refresh_mem_info) is under max_reserved + 1 pages: the "
+           "reserve keeps no page mapped ahead of need, and engines give their prefix caches back.")
       .def("phase_times", &PageAllocator::phase_times, py::call_guard<py::gil_scoped_release>(),
            "{step: (total µs, calls)} of the map/unmap steps since creation or reset_phase_times().")
       .def("reset_phase_times", &PageAllocator::reset_phase_times, py::call_guard<py::gil_scoped_release>())

@@ -166,6 +166,15 @@ int64_t PageAllocator::window_peak_locked(int64_t in_use) {
   return peaks_.empty() ? in_use : std::max(in_use, peaks_.front().second);
 }
 
+// None after trim or while the device is nearly full: a page mapped ahead of need must not keep memory
+// from a request that another engine has waiting. Else max_reserved, and with the lazy reserve (its
+// thread running) what the pages in use reached within the window.
+int64_t PageAllocator::reserve_bound_locked(int64_t in_use) {
+  if (trimmed_ || device_tight()) return 0;
+  if (lazy_ms_.load(std::memory_order_relaxed) <= 0 || !thread_.joinable()) return max_reserved_;
+  return max_reserved_ + window_peak_locked(in_use) - in_use;
+}
+
 void PageAllocator::reset_peak() {
   std::lock_guard<std::mutex> lk(mu_);
   peak_in_use_.store(in_use_.load(std::memory_order_relaxed), std::memory_order_relaxed);
@@ -215,7 +224,7 @@ std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
   int64_t extra = 0;
   if (need > 0 && thread_.joinable() && lazy_ms_.load(std::memory_order_relaxed) > 0) {
     const int64_t res_after = static_cast<int64_t>(reserved_.size()) - from_res;
-    extra = std::min({max_reserved_ - res_after, left - n - res_after,
+    extra = std::min({std::min(max_reserved_, reserve_bound_locked(in_use + n)) - res_after, left - n - res_after,
                       static_cast<int64_t>(free_.size()) - need});
     extra = std::max<int64_t>(extra, 0);
   }
@@ -291,7 +300,7 @@ void PageAllocator::map_pages(const std::vector<int64_t>& ids) {
   if (!fresh.empty()) refresh_mem_info();
   // Fresh pages beside a reserve: pages in use plus reserved may now pass the limit (or the
   // reserve bound), which free_pages and the thread keep; give back what no page in use pins.
-  int64_t keep = std::min(max_reserved_, limit - (in_use + n));
+  int64_t keep = std::min(reserve_bound_locked(in_use + n), limit - (in_use + n));
   if (static_cast<int64_t>(reserved_.size()) > keep) {
     if (thread_.joinable()) {
       cv_.notify_one();
@@ -328,7 +337,8 @@ bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
 bool PageAllocator::try_return(const std::vector<int64_t>& ids) {
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
   if (!lk.owns_lock() || closed_.load()) return false;
-  if (static_cast<int64_t>(reserved_.size() + ids.size()) > max_reserved_ || trimmed_) return false;
+  const int64_t in_use_after = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size() + ids.size());
+  if (static_cast<int64_t>(reserved_.size() + ids.size()) > reserve_bound_locked(in_use_after)) return false;
   if (num_pages_ - static_cast<int64_t>(free_.size()) > limit_.load()) return false;  // over a lowered limit
   for (int64_t p : ids) {
     if (p < 0 || p >= num_pages_ || state_[p] != kInUse) return false;  // let free_pages explain
@@ -363,7 +373,7 @@ void PageAllocator::free_pages(const std::vector<int64_t>& ids) {
   }
   publish_locked();
   int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
-  int64_t keep = std::min(trimmed_ ? 0 : max_reserved_, limit_.load() - in_use);
+  int64_t keep = std::min(reserve_bound_locked(in_use), limit_.load() - in_use);
   if (static_cast<int64_t>(reserved_.size()) > keep) {
     if (thread_.joinable()) {
       cv_.notify_one();  // the thread unmaps the excess; free stays cheap
@@ -455,17 +465,16 @@ void PageAllocator::thread_main() {
     int64_t limit = limit_.load();
     try {
       const bool lazy = lazy_ms_.load(std::memory_order_relaxed) > 0;
-      // lazy: what the pages in use reached within the window stays mapped beside the reserve, unless the
-      // device is nearly full (another process sharing it may be waiting for memory)
-      const bool tight = rel_report_->free_bytes() < static_cast<size_t>(max_reserved_ + 1) * page_bytes_;
-      int64_t bound = trimmed_ ? 0 : max_reserved_ + (lazy && !tight ? window_peak_locked(in_use) - in_use : 0);
-      int64_t keep = std::min(bound, limit - in_use);
+      int64_t keep = std::min(reserve_bound_locked(in_use), limit - in_use);
       if (res > keep) {
         shrink_reserved_locked(keep);
       } else if (!trimmed_ && !failed && res < min_reserved_) {
-        // lazy: refill to the upper bound in one run (one set of driver calls per region), not page by page
+        // lazy: refill to the upper bound in one run (one set of driver calls per region), not page by page;
+        // never into the device's last max_reserved + 1 pages, which would make it tight and the next
+        // pass unmap them again
         int64_t target = lazy ? max_reserved_ : min_reserved_;
-        int64_t want = std::min({target - res, limit - in_use - res, static_cast<int64_t>(free_.size())});
+        const int64_t room = static_cast<int64_t>(rel_report_->free_bytes() / page_bytes_) - (max_reserved_ + 1);
+        int64_t want = std::min({target - res, limit - in_use - res, static_cast<int64_t>(free_.size()), room});
         if (want > 0) {
           std::vector<int64_t> fresh(free_.begin(), std::next(free_.begin(), want));
           map_locked(fresh);

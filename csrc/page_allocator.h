@@ -97,6 +97,12 @@ class PageAllocator {
   bool is_in_use(int64_t p);
   // Pages that could be in use right now: limit, pages left, physical memory (cached).
   int64_t obtainable_pages() const;
+  // The device is nearly full (its free memory, as last read, is under max_reserved + 1 pages): another
+  // process sharing it may be waiting for memory, so no page stays mapped ahead of need (the reserve and
+  // the lazy window give theirs back) and engines give their prefix caches back.
+  bool device_tight() const {
+    return rel_report_->free_bytes() < static_cast<size_t>(max_reserved_ + 1) * page_bytes_;
+  }
   void refresh_mem_info() noexcept;
   const std::shared_ptr<Backend>& backend() const { return backend_; }
   const std::vector<std::shared_ptr<VirtualTensor>>& tensors() const { return tensors_; }
@@ -126,6 +132,9 @@ class PageAllocator {
   void publish_locked();
   // Pages in use at most within the lazy window (the current count if the window is off or empty).
   int64_t window_peak_locked(int64_t in_use);
+  // Reserved pages that may stay mapped beside in_use pages in use (the limit aside). Every path that
+  // returns, frees, maps or shrinks asks this, so none keeps what the thread would unmap, or the reverse.
+  int64_t reserve_bound_locked(int64_t in_use);
   void thread_main();
   void stop_thread_locked() noexcept;  // thread_mu_ held
   void add_phase(const char* name, double us, int64_t calls = 1) {

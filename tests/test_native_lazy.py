@@ -91,3 +91,43 @@ def test_trim_and_a_lower_limit_ignore_the_window() -> None:
         pool.pa.free_pages(pages[:2])
         pool.pa.trim()  # trim's promise is memory back now
         assert pool.pa.num_reserved == 0 and pool.pa.runs() == []
+
+
+def _squeeze(pool: Pool, leave_pages: int = 0) -> None:
+    """Another process took the device's memory but ``leave_pages`` pages' worth."""
+    free, total = pool.b.mem_info()
+    pool.b.set_host_limit(total - free + leave_pages * pool.pa.page_bytes)
+    pool.pa.refresh_mem_info()
+
+
+def test_a_full_device_takes_the_window_and_the_reserve_back() -> None:
+    # Several engines on one device: pages mapped ahead of need must go to the engine whose requests wait
+    # (on the H200 the window and the reserve of idle engines kept them: docs/coserving.md). Page by page,
+    # as the contiguous layout maps: a run keeps all its pages while one is in use.
+    with Pool(pages=16, min_reserved=0, max_reserved=4, prealloc=True, max_run_pages=1) as pool:
+        pool.pa.set_lazy_reserve_ms(60_000)
+        pages = pool.pa.alloc_pages(6)  # mapped inline with 4 more for the reserve
+        pool.pa.free_pages(pages[1:])
+        time.sleep(0.3)
+        assert pool.pa.num_reserved == 9 and not pool.pa.device_tight()  # the window keeps them mapped
+        _squeeze(pool)
+        assert pool.pa.device_tight()
+        assert wait_for(lambda: pool.pa.num_reserved == 0)  # not max_reserved: nothing stays ahead of need
+        assert pool.pa.num_in_use == 1 and pool.mapped_pages() == {pages[0]}
+        # what went back made room (9 pages free, the bound is 5): pages freed now stay for the window again
+        assert wait_for(lambda: pool.pa.refresh_mem_info() or not pool.pa.device_tight())
+        pool.pa.free_pages([pages[0]])
+        time.sleep(0.3)
+        assert pool.pa.num_reserved == 1
+
+
+def test_the_refill_leaves_the_device_room() -> None:
+    # Refilling into the device's last max_reserved + 1 pages would make it tight and the next pass unmap
+    # them again, every 250 ms: the refill stops short of that.
+    with Pool(pages=16, min_reserved=2, max_reserved=4, prealloc=True) as pool:
+        assert wait_for(lambda: pool.pa.num_reserved == 2)
+        _squeeze(pool, leave_pages=4 + 1 + 1)  # the bound's 5 pages and one more
+        assert pool.pa.alloc_pages(2) == [0, 1]  # from the reserve: the thread refills
+        assert wait_for(lambda: pool.pa.num_reserved == 1)
+        time.sleep(0.6)
+        assert pool.pa.num_reserved == 1 and not pool.pa.device_tight()

@@ -18,12 +18,12 @@ BLOCK, CELL, LAYERS = 16, 4096, 2
 BPP = (2 << 20) // (BLOCK * CELL)
 
 
-def _make_pool(monkeypatch: pytest.MonkeyPatch, max_cached_tokens: int = -1):
+def _make_pool(monkeypatch: pytest.MonkeyPatch, max_cached_tokens: int = -1, reserve: tuple[int, int] = (0, 0)):
     from kvcached.integration.vllm.block_pool import KVCachedBlockPool
 
     monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "64")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", str(reserve[0]))
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", str(reserve[1]))
     monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", str(max_cached_tokens))
     monkeypatch.setenv("KVCACHED_IPC_NAME", f"kvcached_e2e_pool_unit_{os.getpid()}")  # runs at once never collide
     interfaces.init_kvcached(device="cpu", contiguous_layout=True)
@@ -213,6 +213,31 @@ def test_cache_yields_when_the_device_is_full(make_pool, monkeypatch: pytest.Mon
         assert pool.free_block_queue.num_free_blocks == 0 and _pages(pool) == 1
         assert pool.pressure_evictions == BPP + 1
         assert all(b.block_hash is None for b in blocks)  # no stale prefix hit later
+    finally:
+        pool.kv._runtime.backend.set_host_limit(total)
+
+
+def test_cache_yields_beside_a_full_reserve(make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Engines run with a prealloc reserve, which an idle one keeps full: what this pool could still obtain
+    # (its reserve counted in) never looked short, so on the H200 idle engines' caches never yielded
+    # (docs/coserving.md). The device's free memory says whether another engine is short.
+    from test_native_host import wait_for
+
+    from kvcached.integration.vllm import block_pool as bp
+
+    pool = make_pool(reserve=(2, 4))
+    blocks = pool.get_new_blocks(BPP + 1)
+    _cache(pool, blocks)
+    pool.free_blocks(blocks)
+    alloc = pool.kv.page_allocator
+    assert wait_for(lambda: alloc.num_reserved >= 2)
+    total = _squeeze_device(pool)
+    try:
+        monkeypatch.setattr(bp, "PRESSURE_CHECK_S", 0.0)
+        assert alloc.obtainable_pages() >= alloc.min_reserved  # the old test, which said "not tight"
+        pool.shrink_to_limit()
+        assert pool.free_block_queue.num_free_blocks == 0 and pool.pressure_evictions == BPP + 1
+        assert wait_for(lambda: _pages(pool) == 1 and alloc.num_reserved == 0)  # the reserve went back too
     finally:
         pool.kv._runtime.backend.set_host_limit(total)
 

@@ -19,10 +19,11 @@ Invariants:
 - cached blocks are bounded by ``KVCACHED_MAX_CACHED_TOKENS`` (applied outside
   ``allocate_slots``) and are given back whole pages first, so evicting them
   actually unmaps memory; so is a pool over its ``kvctl`` limit, at each step;
-- when the device is nearly full (fewer pages obtainable than the prealloc minimum),
-  every cached block is given back, at the next step or, for an engine with no step
-  coming (idle), by the pool's pressure thread: an engine's prefix cache must never pin
-  memory that another engine sharing the device needs for live requests. The thread
+- when the device is nearly full (``PageAllocator.device_tight``: its free memory under
+  the reserve's upper bound plus one page), every cached block is given back, at the
+  next step or, for an engine with no step coming (idle), by the pool's pressure
+  thread: an engine's prefix cache must never pin memory that another engine sharing
+  the device needs for live requests. The thread
   takes the pool's lock, which the scheduler holds around its calls that read or change
   cached blocks (see ``patches``), so it never evicts in the middle of one.
 """
@@ -294,7 +295,9 @@ class KVCachedBlockPool(BlockPool):
             return False
         self._pressure_checked = now
         alloc.refresh_mem_info()  # other processes' use changes the free memory without telling us
-        return int(alloc.obtainable_pages()) < max(1, int(alloc.min_reserved))
+        # the device's free memory, not what this pool could obtain: that counts its own reserve, which an
+        # idle engine keeps full, so its cache would never yield (seen on the H200: docs/coserving.md)
+        return bool(alloc.device_tight())
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
