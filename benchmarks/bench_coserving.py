@@ -480,9 +480,11 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
     s = summarize(results)
     meta = (results.get("static") or next(iter(results.values()))).get("meta", {})
     lines = [f"# Several models on one GPU: kvcached against a static split ({tag})", ""]
-    for key in ("date", "gpu", "driver", "torch", "triton", "vllm", "command"):
+    for key in ("date", "gpu", "driver", "torch", "triton", "vllm"):
         if key in meta:
             lines.append(f"- {key}: {meta[key]}")
+    for policy, res in results.items():
+        lines.append(f"- command ({policy}): {res.get('meta', {}).get('command')}")
     any_res = next(iter(results.values()))
     kv = any_res["kv_bytes_each"] / GiB
     lines += [f"- models (dummy weights, real shapes): {', '.join(any_res['models'])}; `vllm serve` each, CUDA graphs, "
@@ -523,9 +525,20 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
               "| model | TTFT = a + b x prompt | TPOT (ms) |", "| --- | --- | ---: |"]
     for m, im in s["idle"].items():
         lines.append(f"| {m} | {1e3 * im.ttft_a:.1f} ms + {1e6 * im.ttft_b:.2f} us/token | {1e3 * im.tpot:.2f} |")
+    mem_rows = [(run["rate"], run["mem"]) for run in results.get("kvcached", {}).get("runs", [])
+                if run["skew"] and run["mem"]]
+    if mem_rows:
+        lines += ["", "## KV memory of the kvcached engines (skewed trace, sampled every 100 ms)", "",
+                  "| rate (req/s) | most mapped in all (GiB) | most one engine mapped (GiB) | "
+                  "mapped in all at the start (GiB) |", "| ---: | ---: | ---: | ---: |"]
+        for rate, mem in mem_rows:
+            totals = [sum(m.values()) for _, m in mem]
+            one = max(max(m.values()) for _, m in mem)
+            lines.append(f"| {rate:g} | {max(totals) / GiB:.2f} | {one / GiB:.2f} | {totals[0] / GiB:.2f} |")
     lines += ["", "## Engines", ""]
     for policy, res in results.items():
-        lines.append(f"- {policy}: ready after {res.get('engine_ready_s')} s; exit codes {res.get('engine_exit')}; "
+        ready = {m: round(t, 1) for m, t in (res.get("engine_ready_s") or {}).items()}
+        lines.append(f"- {policy}: ready after {ready} s; exit codes {res.get('engine_exit')}; "
                      f"kvcached segments left after exit: {res.get('segments_left')}")
         if "ballast" in res:
             b = res["ballast"]
@@ -590,7 +603,7 @@ def _plot_memory(results: dict[str, dict], png: Path, rate: float | None = None)
     ax.axhline(res["kv_bytes_each"] / GiB, color="tab:red", ls="--", lw=1, label="static slice of each engine")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("mapped KV memory (GiB)")
-    ax.set_title(f"kvcached, skewed trace at {run['rate']:g} req/s: each engine's KV memory follows its load")
+    ax.set_title(f"kvcached, skewed trace at {run['rate']:g} req/s: KV memory mapped by each engine")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)

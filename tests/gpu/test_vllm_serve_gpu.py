@@ -198,8 +198,9 @@ def test_router_sleeps_idle_engine_and_wakes_it(router) -> None:
 
     body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.0, "model": "kvcached"}
     before = _post(f"http://127.0.0.1:{ROUTER_PORT}/v1/completions", body)["choices"][0]["text"]
-    # a burst whose finished blocks stay as prefix cache on several pages (16000 tokens may stay cached)
-    burst = [" ".join(f"{p} {i}" for _ in range(40)) for i, p in enumerate(PROMPTS * 8)]
+    # a burst whose finished blocks stay as prefix cache on several pages (16000 tokens may stay cached);
+    # each prompt stays under the server's --max-model-len (512 with its 8 new tokens: 40 repeats made 559)
+    burst = [" ".join(f"{p} {i}" for _ in range(20)) for i, p in enumerate(PROMPTS * 16)]
     _post(f"http://127.0.0.1:{ROUTER_PORT}/v1/completions",
           {"prompt": burst, "max_tokens": 8, "temperature": 0.0, "model": "kvcached"})
     cached = mem_info.read_segment(SEGMENT).used_size
