@@ -175,6 +175,11 @@ def log_level() -> str:
     return value
 
 
+def kvcached_enabled() -> bool:
+    """``ENABLE_KVCACHED``: the engines' plugins install kvcached's hooks only when it is true."""
+    return bool(env_bool("ENABLE_KVCACHED", False))
+
+
 MAX_IPC_NAME = 100
 
 

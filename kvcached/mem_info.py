@@ -467,6 +467,16 @@ def _segment_taken(name: str) -> bool:
     return foreign or (info.pid != os.getpid() and pid_alive(info.pid))
 
 
+def default_ipc_base(engine: str | None = None) -> str:
+    """``kvcached_<engine>_<pgid>``: the default segment names of this process group's engines are this name
+    and this name suffixed ``_1``, ``_2``... (``engine``: the engine's tag, by default the one loaded here)."""
+    try:
+        group = os.getpgid(0)
+    except OSError:
+        group = os.getpid()
+    return f"{SHM_PREFIX}{engine or _engine_tag()}_{group}"
+
+
 def get_default_ipc_name() -> str:
     """``KVCACHED_IPC_NAME`` when set, else ``kvcached_<engine>_<pgid>`` (suffixed if taken).
 
@@ -480,11 +490,7 @@ def get_default_ipc_name() -> str:
         return explicit
     if _ipc_name_cache is not None:
         return _ipc_name_cache
-    try:
-        group = os.getpgid(0)
-    except OSError:
-        group = os.getpid()
-    base = f"{SHM_PREFIX}{_engine_tag()}_{group}"
+    base = default_ipc_base()
     name = base
     for i in range(1, 1000):
         if not _segment_taken(name):

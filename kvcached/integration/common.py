@@ -13,6 +13,17 @@ from kvcached.utils import get_kvcached_logger
 logger = get_kvcached_logger()
 
 
+def fresh_group_id() -> int:
+    """The lowest KV group id with no tensors yet: each engine (or pool) in a process gets a group of its own,
+    so a second one starts clean."""
+    from kvcached import vmm_ops
+
+    group_id = 0
+    while vmm_ops.kv_tensors_created(group_id):
+        group_id += 1
+    return group_id
+
+
 def release(version: str) -> tuple[int, ...]:
     """``0.32.0``, ``0.32.1+cpu``, ``0.32.0rc1.dev5`` -> (0, 32, 0...); ValueError if unreadable."""
     head = version.split("+", 1)[0]

@@ -15,12 +15,8 @@ from kvcached import config
 from kvcached.errors import KVCachedConfigError
 
 
-def enabled() -> bool:
-    return bool(config.env_bool("ENABLE_KVCACHED", False))
-
-
 def register() -> None:
-    if not enabled():
+    if not config.kvcached_enabled():
         return
     from kvcached.integration.sglang import patches
 

@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
 from kvcached import config, vmm_ops
 from kvcached.errors import KVCachedConfigError
+from kvcached.integration.common import fresh_group_id
 from kvcached.integration.sglang import interfaces
 from kvcached.kv_cache_manager import KVCacheManager
 
@@ -56,9 +57,7 @@ def _kv_views(kind: str, rows: int, heads: int, dim: int, dtype: torch.dtype, de
     interfaces.init_kvcached(device=str(device), contiguous_layout=contiguous_layout())
     # DeepSeek's MLA token (576 x 2 B) does not divide 2 MiB: a process's first pool may grow the page to fit
     vmm_ops.fit_page_size(page_size * heads * dim * dtype.itemsize)
-    group_id = 0
-    while vmm_ops.kv_tensors_created(group_id):
-        group_id += 1
+    group_id = fresh_group_id()
     pages = -(-rows // page_size)  # SGLang sizes are page multiples; a remainder still gets whole pages
     views = interfaces.alloc_kv_cache((pages * page_size, heads, dim), dtype, str(device), layers,
                                       page_size=page_size, attention_type=kind, group_id=group_id)

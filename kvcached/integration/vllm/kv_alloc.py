@@ -29,6 +29,7 @@ import torch
 
 from kvcached import vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
+from kvcached.integration.common import fresh_group_id
 from kvcached.integration.vllm import interfaces, kv_zero, settings
 from kvcached.utils import get_kvcached_logger
 
@@ -221,9 +222,7 @@ def capacity_bytes(num_layers: int) -> int:
 def reserve_tensors(num_blocks: int, block_size: int, cell: int, num_layers: int, kv_factor: int,
                     device: Any) -> tuple[list[torch.Tensor], dict[str, Any], int]:
     """Virtual KV tensors for ``num_blocks`` blocks in a fresh group (views, meta, group id)."""
-    group_id = 0  # a fresh group per engine, so a second engine in this process starts clean
-    while vmm_ops.kv_tensors_created(group_id):
-        group_id += 1
+    group_id = fresh_group_id()
     if kv_factor == 1:
         shape: tuple[int, ...] = (num_blocks, block_size, cell)
         kind = "MLA"

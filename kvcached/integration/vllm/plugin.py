@@ -15,13 +15,9 @@ from kvcached import config
 _cleanup_registered = False
 
 
-def enabled() -> bool:
-    return bool(config.env_bool("ENABLE_KVCACHED", False))
-
-
 def register() -> None:
     global _cleanup_registered
-    if not enabled():
+    if not config.kvcached_enabled():
         return
     from kvcached.integration.vllm import patches
 
@@ -63,7 +59,7 @@ def remove_dead_segments() -> list[str]:
         if explicit:
             names = [mem_info.sanitize_ipc_name(explicit)]
         else:
-            base = f"{mem_info.SHM_PREFIX}vLLM_{os.getpgid(0)}"
+            base = mem_info.default_ipc_base("vLLM")
             names = [n for n in mem_info.list_segments() if n == base or n.startswith(base + "_")]
     except OSError:
         return []
