@@ -68,9 +68,7 @@ def _patch_worker_side() -> None:
     # vLLM refuses to start when free device memory is below --gpu-memory-utilization,
     # which is the normal state of a second engine on a shared GPU; KV memory is elastic
     # here, so the engine starts and its share stays what the flag asked for.
-    request = gw.request_memory
-    if not getattr(request, "_kvcached", False):
-        @functools.wraps(request)
+    def elastic(request: Any) -> Any:
         def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
             try:
                 return request(init_snapshot, cache_config, *args, **kwargs)
@@ -80,8 +78,9 @@ def _patch_worker_side() -> None:
                             int(init_snapshot.free_memory), asked, exc)
                 return asked
 
-        request_memory._kvcached = True  # type: ignore[attr-defined]
-        gw.request_memory = request_memory
+        return request_memory
+
+    wrap_once(gw, "request_memory", elastic)
 
     from vllm.platforms import current_platform
 
@@ -210,17 +209,16 @@ def _under_pool_lock(owner: Any, name: str) -> None:
 
 
 def _run_after(owner: Any, name: str, hook: Any) -> None:
-    """``owner.name`` then ``hook(self, result)``; the original's result is returned unchanged."""
-    original = getattr(owner, name)
+    """``owner.name`` then ``hook(self, result)``, once; the original's result is returned unchanged."""
+    def then_hook(original: Any) -> Any:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            hook(self, result)
+            return result
 
-    @functools.wraps(original)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        hook(self, result)
-        return result
+        return wrapped
 
-    wrapped._kvcached = True  # type: ignore[attr-defined]
-    setattr(owner, name, wrapped)
+    wrap_once(owner, name, then_hook, marker="_kvcached_after")
 
 
 def _patch_tensor_parallel() -> None:
@@ -232,21 +230,18 @@ def _patch_tensor_parallel() -> None:
 
     from kvcached.integration.vllm import tp
 
-    if getattr(core.EngineCore._initialize_kv_caches, "_kvcached", False):
-        return
     _run_after(core.EngineCore, "_initialize_kv_caches", lambda engine, _: tp.after_kv_caches(engine))
     _run_after(sched.Scheduler, "schedule", tp.attach_page_changes)
     _run_after(core.EngineCore, "post_step", lambda engine, _: tp.flush_if_idle(engine))
 
-    execute = gpu_worker.Worker.execute_model
+    def pages_first(execute: Any) -> Any:
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            tp.on_step(scheduler_output)
+            return execute(self, scheduler_output, *args, **kwargs)
 
-    @functools.wraps(execute)
-    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        tp.on_step(scheduler_output)
-        return execute(self, scheduler_output, *args, **kwargs)
+        return execute_model
 
-    execute_model._kvcached = True  # type: ignore[attr-defined]
-    gpu_worker.Worker.execute_model = execute_model
+    wrap_once(gpu_worker.Worker, "execute_model", pages_first)
     # by name, as collective_rpc("kvcached_rank_state") reaches them from any client without pickled code
     gpu_worker.Worker.kvcached_report_pool = tp.report_pool
     gpu_worker.Worker.kvcached_apply_pages = tp.apply_pages
