@@ -470,6 +470,9 @@ def _segment_taken(name: str) -> bool:
 def default_ipc_base(engine: str | None = None) -> str:
     """``kvcached_<engine>_<pgid>``: the default segment names of this process group's engines are this name
     and this name suffixed ``_1``, ``_2``... (``engine``: the engine's tag, by default the one loaded here)."""
+    if engine is not None and not (isinstance(engine, str) and engine.isascii() and engine.isalnum()):
+        raise ValueError(f"default_ipc_base: engine must be a tag of letters and digits (such as 'vLLM'), "
+                         f"got {engine!r}.")
     try:
         group = os.getpgid(0)
     except OSError:
