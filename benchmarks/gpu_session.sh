@@ -17,6 +17,7 @@
 # sglang: the SGLang bundle (bash tools/sglang_gpu_bundle/build.sh .sgl-bundle; SGLANG_BUNDLE names another folder)
 # is unpacked in a subshell, probe.py names what SGLang cannot import, then tests/gpu/test_sglang_gpu.py runs (its
 # SGLang + vLLM test also needs the vLLM bundle, carried in an earlier call: a warm machine keeps it). Not in `all`.
+# Each SGLang engine takes ~80 s there, the whole file ~15 min: split it over calls with SGLANG_TESTS_K (a -k filter).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
@@ -81,7 +82,7 @@ if [[ " ${what//,/ } " == *" sglang "* ]]; then
   # a subshell: SGLang's site (its transformers pin) stays off the path of the steps after this one
   ( source "$sbundle/setup.sh" && python3 "$sbundle/probe.py" \
     && timeout "${SGLANG_TESTS_TIMEOUT:-560}" python3 -m pytest -q -s tests/gpu/test_sglang_gpu.py -p no:cacheprovider \
-         --tb=short ) 2>&1 | tee "$OUT/gpu_sglang_tests.log" | tail -40
+         ${SGLANG_TESTS_K:+-k "$SGLANG_TESTS_K"} --tb=short ) 2>&1 | tee "$OUT/gpu_sglang_tests.log" | tail -40
 fi
 if [[ " ${what//,/ } " == *" serve "* ]]; then
   log "vllm serve over HTTP"

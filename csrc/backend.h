@@ -74,6 +74,10 @@ class Backend {
   virtual void set_host_limit(size_t) {
     throw_value("set_host_limit only applies to the host backend, not '" + kind + "'.");
   }
+  // Tests: the host backend sleeps this long in each map call, as slow as a GPU's driver under load.
+  virtual void set_test_map_delay_us(int64_t) {
+    throw_value("a map delay is a test hook of the host backend, not '" + kind + "'.");
+  }
   // Host: the /dev/shm segment holding the budget shared between processes; others: "".
   virtual std::string shm_name() const { return ""; }
   virtual std::pair<int, int> dlpack_device() const = 0;

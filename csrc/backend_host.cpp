@@ -9,8 +9,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "backend.h"
 #include "host_budget.h"
@@ -87,7 +89,13 @@ class HostBackend final : public Backend {
     budget_->give_back(size);
   }
 
+  void set_test_map_delay_us(int64_t us) override {
+    if (us < 0) throw_value("the map delay must be >= 0 us, got " + std::to_string(us) + ".");
+    map_delay_us_ = us;
+  }
+
   void map(uintptr_t ptr, size_t size, Handle h, size_t offset) override {
+    if (int64_t d = map_delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(d));
     std::lock_guard<std::mutex> lk(mu_);
     auto it = allocs_.find(h - 1);
     if (h == 0 || it == allocs_.end()) throw_invalid("host map", "unknown allocation handle");
@@ -194,6 +202,7 @@ class HostBackend final : public Backend {
 
   std::shared_ptr<HostBudget> budget_;  // shared with the other processes (and backends) of this segment
   int fd_ = -1;
+  std::atomic<int64_t> map_delay_us_{0};  // set_test_map_delay_us
   std::mutex mu_;
   size_t end_ = 0;
   std::map<size_t, size_t> free_;     // offset -> length of free memfd ranges

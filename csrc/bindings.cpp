@@ -154,6 +154,8 @@ PYBIND11_MODULE(_vmm, m) {
            "PageAllocator.trim and close do it themselves.")
       .def("_pause_releases", &Backend::pause_releases, py::arg("paused"), py::call_guard<py::gil_scoped_release>(),
            "Tests: while paused the background thread leaves queued releases alone (flushes still do them).")
+      .def("_set_map_delay_us", &Backend::set_test_map_delay_us, py::arg("us"),
+           "Tests (host backend): sleep this long in every map call, as a GPU's driver under load is slow.")
       .def("resident_bytes", [](Backend& b) { return host_resident_bytes(b); },
            "host: bytes of the memfd really backed by RAM; other backends: physical_bytes().")
       .def("set_host_limit", [](Backend& b, py::object bytes) { b.set_host_limit(as_size(bytes, "host limit")); },

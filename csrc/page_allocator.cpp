@@ -137,7 +137,7 @@ bool PageAllocator::is_in_use(int64_t p) {
 }
 
 void PageAllocator::publish_locked() {
-  const int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  const int64_t in_use = in_use_locked();
   if (lazy_ms_.load(std::memory_order_relaxed) > 0 && in_use != in_use_.load(std::memory_order_relaxed)) {
     while (!peaks_.empty() && peaks_.back().second <= in_use) peaks_.pop_back();
     peaks_.emplace_back(std::chrono::steady_clock::now(), in_use);
@@ -204,7 +204,10 @@ std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
   check_open();
   std::vector<int64_t> out;
   if (n == 0) return out;
-  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  // The prealloc thread is mapping pages for the reserve: wait for them rather than map others inline.
+  mapped_cv_.wait(lk, [&] { return mapping_n_ == 0 || static_cast<int64_t>(reserved_.size()) >= n; });
+  check_open();
+  int64_t in_use = in_use_locked();
   int64_t limit = limit_.load();
   // Compare n with what is left, never in_use + n: n may be near INT64_MAX. The limit may
   // exceed num_pages, so the pages themselves bound it too (else the loop below runs off free_).
@@ -260,6 +263,8 @@ std::vector<int64_t> PageAllocator::alloc_pages(int64_t n) {
 void PageAllocator::map_pages(const std::vector<int64_t>& ids) {
   std::unique_lock<std::mutex> lk(mu_);
   check_open();
+  mapped_cv_.wait(lk, [&] { return mapping_n_ == 0; });  // no page of `ids` is half mapped by the thread
+  check_open();
   std::set<int64_t> seen;
   std::vector<int64_t> fresh;
   for (int64_t p : ids) {
@@ -277,7 +282,7 @@ void PageAllocator::map_pages(const std::vector<int64_t>& ids) {
     if (state_[p] == kFree) fresh.push_back(p);
   }
   if (ids.empty()) return;
-  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  int64_t in_use = in_use_locked();
   int64_t n = static_cast<int64_t>(ids.size()), limit = limit_.load();
   if (n > limit - in_use) {
     throw Error(ErrKind::OutOfMemory, "map_pages(" + std::to_string(n) + " pages): " + std::to_string(in_use) +
@@ -326,7 +331,7 @@ void PageAllocator::take_reserved_locked(int64_t n, std::vector<int64_t>& out) {
 bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
   if (n <= 0 || !lk.owns_lock() || closed_.load() || static_cast<int64_t>(reserved_.size()) < n) return false;
-  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  int64_t in_use = in_use_locked();
   if (n > limit_.load() - in_use) return false;
   take_reserved_locked(n, out);
   publish_locked();
@@ -337,7 +342,7 @@ bool PageAllocator::try_take_reserved(int64_t n, std::vector<int64_t>& out) {
 bool PageAllocator::try_return(const std::vector<int64_t>& ids) {
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
   if (!lk.owns_lock() || closed_.load()) return false;
-  const int64_t in_use_after = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size() + ids.size());
+  const int64_t in_use_after = in_use_locked() - static_cast<int64_t>(ids.size());
   if (static_cast<int64_t>(reserved_.size() + ids.size()) > reserve_bound_locked(in_use_after)) return false;
   if (num_pages_ - static_cast<int64_t>(free_.size()) > limit_.load()) return false;  // over a lowered limit
   for (int64_t p : ids) {
@@ -372,7 +377,7 @@ void PageAllocator::free_pages(const std::vector<int64_t>& ids) {
     reserved_.insert(p);
   }
   publish_locked();
-  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  int64_t in_use = in_use_locked();
   int64_t keep = std::min(reserve_bound_locked(in_use), limit_.load() - in_use);
   if (static_cast<int64_t>(reserved_.size()) > keep) {
     if (thread_.joinable()) {
@@ -435,6 +440,8 @@ void PageAllocator::trim() {
   {
     std::unique_lock<std::mutex> lk(mu_);
     check_open();
+    mapped_cv_.wait(lk, [&] { return mapping_n_ == 0; });  // pages the thread is mapping go too
+    check_open();
     trimmed_ = true;
     shrink_reserved_locked(0);
   }
@@ -450,7 +457,7 @@ bool PageAllocator::set_limit_pages(int64_t n) {
   std::unique_lock<std::mutex> lk(mu_);
   check_open();
   limit_.store(n);
-  int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+  int64_t in_use = in_use_locked();
   shrink_reserved_locked(n - in_use);
   if (thread_.joinable()) cv_.notify_one();
   return in_use <= n;
@@ -460,7 +467,7 @@ void PageAllocator::thread_main() {
   std::unique_lock<std::mutex> lk(mu_);
   bool failed = false;  // after a failure, wait for a change before trying again
   while (!stop_) {
-    int64_t in_use = num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size());
+    int64_t in_use = in_use_locked();
     int64_t res = static_cast<int64_t>(reserved_.size());
     int64_t limit = limit_.load();
     try {
@@ -476,14 +483,42 @@ void PageAllocator::thread_main() {
         const int64_t room = static_cast<int64_t>(rel_report_->free_bytes() / page_bytes_) - (max_reserved_ + 1);
         int64_t want = std::min({target - res, limit - in_use - res, static_cast<int64_t>(free_.size()), room});
         if (want > 0) {
+          // Mapped outside mu_ (the driver takes ~100 us per run and region, so up to ~10 ms for a
+          // per-layer page group of 64 regions): meanwhile a step takes reserved pages and returns freed
+          // ones through the fast paths, and an allocation that needs more waits for these.
           std::vector<int64_t> fresh(free_.begin(), std::next(free_.begin(), want));
-          map_locked(fresh);
           for (int64_t p : fresh) {
             free_.erase(p);
+            state_[p] = kMapping;
+          }
+          mapping_n_ = want;
+          lk.unlock();
+          Phases ph;
+          std::vector<std::vector<Handle>> hs;
+          std::exception_ptr err;
+          try {
+            hs = map_driver(fresh, ph);
+          } catch (...) {
+            err = std::current_exception();
+          }
+          lk.lock();
+          for (const auto& [k, v] : ph) add_phase(k.c_str(), v.first, v.second);
+          mapping_n_ = 0;
+          for (int64_t p : fresh) state_[p] = kFree;
+          if (err) {
+            free_.insert(fresh.begin(), fresh.end());
+            mapped_cv_.notify_all();
+            std::rethrow_exception(err);
+          }
+          install_runs_locked(fresh, std::move(hs));
+          for (int64_t p : fresh) {
             set_state_locked(p, kReserved);
             reserved_.insert(p);
           }
           publish_locked();
+          mapped_cv_.notify_all();
+          refresh_mem_info();
+          continue;  // at once: a limit, trim or demand may have come while mu_ was free
         }
       }
     } catch (const std::exception& e) {

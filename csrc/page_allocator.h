@@ -111,10 +111,20 @@ class PageAllocator {
   void reset_phase_times();
 
  private:
-  enum : uint8_t { kFree = 0, kReserved = 1, kInUse = 2 };
+  // kMapping: taken from free_ by the prealloc thread, which maps it outside mu_ (in no set)
+  enum : uint8_t { kFree = 0, kReserved = 1, kInUse = 2, kMapping = 3 };
+  using Phases = std::map<std::string, std::pair<double, int64_t>>;
   void check_open() const;
+  int64_t in_use_locked() const {
+    return num_pages_ - static_cast<int64_t>(free_.size() + reserved_.size()) - mapping_n_;
+  }
   // Maps sorted free pages as new runs (state unchanged: the caller sets it); all-or-nothing.
   void map_locked(const std::vector<int64_t>& pages);
+  // The driver half of map_locked: physical memory, mappings and access for the pages' runs, under map_mu_
+  // only (it reads nothing mu_ guards), timings into `ph`. Returns each run's handles; all-or-nothing.
+  std::vector<std::vector<Handle>> map_driver(const std::vector<int64_t>& pages, Phases& ph);
+  // The bookkeeping half: records the runs map_driver mapped (mu_ held).
+  void install_runs_locked(const std::vector<int64_t>& pages, std::vector<std::vector<Handle>> hs);
   // Unmaps the runs starting at `firsts` (ascending): zero page back, pages free, the memory
   // queued for release (Backend::release_later; released here when nothing can be queued).
   // On a driver error the stretch at hand keeps its bookkeeping and the error is thrown.
@@ -137,11 +147,12 @@ class PageAllocator {
   int64_t reserve_bound_locked(int64_t in_use);
   void thread_main();
   void stop_thread_locked() noexcept;  // thread_mu_ held
-  void add_phase(const char* name, double us, int64_t calls = 1) {
-    auto& e = phases_[name];
+  static void add_phase(Phases& ph, const char* name, double us, int64_t calls = 1) {
+    auto& e = ph[name];
     e.first += us;
     e.second += calls;
   }
+  void add_phase(const char* name, double us, int64_t calls = 1) { add_phase(phases_, name, us, calls); }
 
   std::shared_ptr<Backend> backend_;
   std::vector<std::shared_ptr<VirtualTensor>> tensors_;
@@ -155,7 +166,13 @@ class PageAllocator {
 
   std::mutex thread_mu_;  // serializes start_thread/stop_thread; taken before mu_
   std::mutex mu_;
+  // Serializes the driver's work on the tensors (mappings, zero backing, access): the prealloc thread maps
+  // holding it without mu_, so a step's allocation or free need not wait for the driver. Taken alone or
+  // after mu_, never before it.
+  std::mutex map_mu_;
   std::condition_variable cv_;
+  std::condition_variable mapped_cv_;  // the thread's unlocked mapping landed (mapping_n_ back to 0)
+  int64_t mapping_n_ = 0;              // pages in kMapping (guarded by mu_)
   std::vector<uint8_t> state_;
   // Runs, indexed by their first page: handles, length, pages in use. run_of_[p] is the
   // first page of p's run, -1 while p is unmapped (kFree).
@@ -175,7 +192,7 @@ class PageAllocator {
   std::shared_ptr<ReleaseReport> rel_report_ = std::make_shared<ReleaseReport>();
   std::atomic<bool> closed_{false};
   std::thread thread_;  // assigned and moved out only under mu_: readers under mu_ see a settled value
-  std::map<std::string, std::pair<double, int64_t>> phases_;  // guarded by mu_
+  Phases phases_;  // guarded by mu_
 };
 
 }  // namespace kvc

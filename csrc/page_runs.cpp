@@ -31,6 +31,11 @@ Runs runs_of(const std::vector<int64_t>& sorted, int64_t cap) {
 
 void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
   if (pages.empty()) return;
+  install_runs_locked(pages, map_driver(pages, phases_));
+}
+
+std::vector<std::vector<Handle>> PageAllocator::map_driver(const std::vector<int64_t>& pages, Phases& ph) {
+  std::lock_guard<std::mutex> dl(map_mu_);
   Runs runs = runs_of(pages, max_run_pages_);
   // 1. physical memory: one allocation per run (sliced by region) or per run and region
   std::vector<std::vector<Handle>> hs(runs.size());
@@ -60,8 +65,8 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
     release_all();
     throw;
   }
-  if (drain_us > 0) add_phase("map.drain", drain_us);
-  add_phase("map.create", us_since(t_create) - drain_us, created);
+  if (drain_us > 0) add_phase(ph, "map.drain", drain_us);
+  add_phase(ph, "map.create", us_since(t_create) - drain_us, created);
   // 2. per region and stretch of consecutive pages (runs cut by the cap lie side by side):
   // drop the zero page once, one mapping per run, one access call
   Runs stretches = runs_of(pages, std::numeric_limits<int64_t>::max());
@@ -83,7 +88,7 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
         size_t len = static_cast<size_t>(b - a + 1) * r.size;
         auto t0 = Clock::now();
         auto span = t.take_zero(off, len);  // restores the zero backing itself if it fails
-        add_phase("map.take_zero", us_since(t0));
+        add_phase(ph, "map.take_zero", us_since(t0));
         done.push_back({ri, si, ui, 0, span.first, span.second});
         for (; ui < runs.size() && runs[ui].second <= b; ++ui) {
           int64_t n = runs[ui].second - runs[ui].first + 1;
@@ -95,12 +100,12 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
           } else {
             backend_->map(t.ptr() + at, bytes, hs[ui][ri], 0);
           }
-          add_phase("map.map", us_since(t0));
+          add_phase(ph, "map.map", us_since(t0));
           done.back().mapped++;
         }
         t0 = Clock::now();
         backend_->set_access(t.ptr() + span.first, span.second - span.first);
-        add_phase("map.set_access", us_since(t0));
+        add_phase(ph, "map.set_access", us_since(t0));
       }
     }
   } catch (...) {
@@ -125,6 +130,11 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
     release_all();
     throw;
   }
+  return hs;
+}
+
+void PageAllocator::install_runs_locked(const std::vector<int64_t>& pages, std::vector<std::vector<Handle>> hs) {
+  Runs runs = runs_of(pages, max_run_pages_);
   for (size_t ui = 0; ui < runs.size(); ++ui) {
     auto [a, b] = runs[ui];
     handles_[a] = std::move(hs[ui]);
@@ -136,6 +146,7 @@ void PageAllocator::map_locked(const std::vector<int64_t>& pages) {
 }
 
 bool PageAllocator::unmap_runs_locked(const std::vector<int64_t>& firsts) {
+  std::lock_guard<std::mutex> dl(map_mu_);
   bool deferred = true;
   for (size_t i = 0; i < firsts.size();) {
     // A stretch of runs side by side: one unmap call, zero backing and access call per

@@ -44,7 +44,7 @@ def main(spec: dict, out_path: str) -> None:
     engine = sglang.Engine(model_path=spec["model"], page_size=spec.get("page_size", 1), attention_backend="triton",
                            sampling_backend="pytorch", mem_fraction_static=spec.get("mem_fraction_static", 0.2),
                            disable_cuda_graph=spec.get("disable_cuda_graph", False), log_level="warning",
-                           context_length=1024, random_seed=0)
+                           context_length=512, random_seed=0)
     out: dict = {"pid": os.getpid(), "tokens": _tokens(engine, spec["prompts"], spec["max_tokens"])}
     if spec.get("ready_file"):
         open(spec["ready_file"], "w").close()

@@ -2,7 +2,8 @@
 requests wait, and an SGLang and a vLLM engine sharing one device.
 
 Needs a GPU and SGLang (on our H200: ``benchmarks/gpu_session.sh sglang`` with the SGLang bundle, docs/sglang.md);
-skipped otherwise. NOT YET RUN: written in a session without GPU time. Every engine runs in its own process
+skipped otherwise. On the H200 so far (2026-12-04) the contiguous-layout token tests passed, the rest not yet run
+(``benchmarks/results/sglang_gpu_tests_h200.log``; ~80 s an engine). Every engine runs in its own process
 (``sglang_runner.py``) on a 4-layer Llama made here (no downloads), SGLang's Triton attention backend.
 """
 

