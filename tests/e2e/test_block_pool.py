@@ -283,3 +283,33 @@ def test_scheduler_calls_hold_the_pool_lock(make_pool) -> None:
     patches._under_pool_lock(FakeScheduler, "schedule")
     assert FakeScheduler().schedule() is True
     assert not pool.lock._is_owned()
+
+
+def test_a_step_that_frees_many_requests_bounds_the_cache_once(make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcached.integration.vllm import patches
+
+    pool = make_pool(max_cached_tokens=3 * BLOCK)
+    requests = [pool.get_new_blocks(4) for _ in range(5)]
+    for blocks in requests:
+        _cache(pool, blocks)
+    scans = []
+    evict = pool._evict
+    monkeypatch.setattr(pool, "_evict", lambda want: scans.append(want) or evict(want))
+
+    class FakeScheduler:  # update_from_output wrapped as patches wraps vLLM's
+        kv_cache_manager = type("M", (), {"block_pool": pool})()
+
+        def update_from_output(self) -> int:
+            for blocks in requests:  # every request of the step finished
+                pool.free_blocks(blocks)
+            return pool.free_block_queue.num_free_blocks
+
+    patches._under_pool_lock(FakeScheduler, "update_from_output", batch_frees=True)
+    assert FakeScheduler().update_from_output() == 20  # all cached while the call runs ...
+    assert scans == [17]  # ... then one eviction down to the bound, not one per request
+    assert pool.free_block_queue.num_free_blocks == 3
+    assert pool.kv.num_allocated_blocks() == 1 + 3
+    blocks = pool.get_new_blocks(2)  # outside a batch a free bounds the cache at once, as before
+    _cache(pool, blocks)
+    pool.free_blocks(blocks)
+    assert pool.free_block_queue.num_free_blocks == 3 and len(scans) == 2

@@ -21,6 +21,7 @@ Hook points (all in vLLM's installed source):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import math
 import threading
@@ -186,12 +187,13 @@ def _patch_scheduler_side() -> None:
 
     # The scheduler's calls that read or change cached blocks run under the pool's lock, so the pool's
     # pressure thread (KVCachedBlockPool.relieve_pressure) can give an idle engine's cache back between them.
+    # The two that free finished requests bound the cache once, at their end.
     for name in ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"):
         if hasattr(sched.Scheduler, name):
-            _under_pool_lock(sched.Scheduler, name)
+            _under_pool_lock(sched.Scheduler, name, batch_frees=name in ("update_from_output", "finish_requests"))
 
 
-def _under_pool_lock(owner: Any, name: str) -> None:
+def _under_pool_lock(owner: Any, name: str, batch_frees: bool = False) -> None:
     from kvcached.integration.vllm.block_pool import KVCachedBlockPool
 
     def under_lock(original: Any) -> Any:
@@ -200,7 +202,7 @@ def _under_pool_lock(owner: Any, name: str) -> None:
             lock = getattr(pool, "lock", None) if isinstance(pool, KVCachedBlockPool) else None
             if lock is None:
                 return original(self, *args, **kwargs)
-            with lock:
+            with lock, (pool.batched_frees() if batch_frees else contextlib.nullcontext()):
                 return original(self, *args, **kwargs)
 
         return locked
