@@ -64,41 +64,83 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> dict:
     return json.loads(out.read_text())
 
 
-def _run(spec: dict, env: dict[str, str], tmp: Path, tag: str) -> dict:
-    return _finish(_start(spec, env, tmp / f"{tag}.json"), tmp / f"{tag}.json")
+# Engines run side by side (~80 s each on the H200, most of it SGLang's start): at most PARALLEL at once, and
+# at most one plain SGLang engine, which plans its KV pool from the device's free memory (so another plain
+# engine's 20 % would leave it none); kvcached's engines plan from --mem-fraction-static alone and map little.
+PARALLEL = int(os.environ.get("KVCACHED_SGLANG_GPU_PARALLEL", "4"))
+
+
+def _run_all(jobs: dict[str, tuple[dict, dict[str, str]]], tmp: Path, timeout: float = 900) -> dict[str, dict | str]:
+    """Every job's output, or why it has none."""
+    pending, running, out = list(jobs.items()), {}, {}
+    deadline = time.time() + timeout
+    while pending or running:
+        plain_busy = any(env.get("ENABLE_KVCACHED") != "true" for env, _ in running.values())
+        for tag, (spec, env) in list(pending):
+            if len(running) >= PARALLEL:
+                break
+            if env.get("ENABLE_KVCACHED") != "true":
+                if plain_busy:
+                    continue
+                plain_busy = True
+            pending.remove((tag, (spec, env)))
+            running[tag] = (env, _start(spec, env, tmp / f"{tag}.json"))
+        for tag, (_, proc) in list(running.items()):
+            if proc.poll() is not None:
+                del running[tag]
+                out[tag] = (json.loads((tmp / f"{tag}.json").read_text()) if proc.returncode == 0 else
+                            f"engine {tag} exited with {proc.returncode} (its output is above)")
+        if time.time() > deadline:
+            for tag, (_, proc) in running.items():
+                proc.kill()
+                out[tag] = f"engine {tag} still running after {timeout:.0f} s"
+            out.update({tag: "not started: out of time" for tag, _ in pending})
+            break
+        time.sleep(0.5)
+    return out
 
 
 @pytest.fixture(scope="module")
-def plain(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    tmp = tmp_path_factory.mktemp("plain")
-    return {page: _run({"model": model, "page_size": page, **SHORT, **BURST}, _env(False, ""), tmp, f"p{page}")
-            for page in (1, 16)}
+def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict | str]:
+    spec = {"model": model, **SHORT, **BURST}
+    jobs: dict[str, tuple[dict, dict[str, str]]] = {}
+    for page in (1, 16):
+        jobs[f"plain-{page}"] = ({**spec, "page_size": page}, _env(False, ""))
+        for layout in ("contiguous", "per_layer"):
+            jobs[f"{layout}-{page}"] = ({**spec, "page_size": page}, _env(
+                True, f"sgl_{layout}_{page}_{os.getpid()}",
+                KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false"))
+        jobs[f"limit-{page}"] = ({**spec, "page_size": page, "limit_bytes": 24 * MiB},
+                                 _env(True, f"sgl_limit_{page}_{os.getpid()}"))
+    return _run_all(jobs, tmp_path_factory.mktemp("engines"))
+
+
+def _result(runs: dict[str, dict | str], tag: str) -> dict:
+    r = runs[tag]
+    assert isinstance(r, dict), r
+    return r
 
 
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("layout", ["contiguous", "per_layer"])
-def test_greedy_tokens_equal_plain_sglang_and_memory_follows_load(model: str, plain: dict, page: int, layout: str,
-                                                                    tmp_path: Path) -> None:
-    env = _env(True, f"sgl_{layout}_{page}_{os.getpid()}",
-               KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false")
-    r = _run({"model": model, "page_size": page, **SHORT, **BURST}, env, tmp_path, "kv")
-    assert r["tokens"] == plain[page]["tokens"]
-    assert r["burst_tokens"] == plain[page]["burst_tokens"]
+def test_greedy_tokens_equal_plain_sglang_and_memory_follows_load(runs: dict, page: int, layout: str) -> None:
+    plain, r = _result(runs, f"plain-{page}"), _result(runs, f"{layout}-{page}")
+    assert r["tokens"] == plain["tokens"]
+    assert r["burst_tokens"] == plain["burst_tokens"]
     assert r["peak_used"] > r["idle_used"] + 4 * MiB  # the burst mapped pages
     assert r["after_used"] <= r["idle_used"]  # and gave them back
 
 
 @pytest.mark.parametrize("page", [1, 16])
-def test_kvctl_limit_below_demand_makes_requests_wait(model: str, plain: dict, page: int, tmp_path: Path) -> None:
+def test_kvctl_limit_below_demand_makes_requests_wait(runs: dict, page: int) -> None:
     """48 requests x ~210 tokens under a limit of a few pages: they wait (or are retracted), none fails."""
-    env = _env(True, f"sgl_limit_{page}_{os.getpid()}")
-    r = _run({"model": model, "page_size": page, **SHORT, **BURST, "limit_bytes": 24 * MiB}, env, tmp_path, "lim")
-    assert r["burst_tokens"] == plain[page]["burst_tokens"]
+    plain, r = _result(runs, f"plain-{page}"), _result(runs, f"limit-{page}")
+    assert r["burst_tokens"] == plain["burst_tokens"]
     assert r["peak_used"] <= 24 * MiB
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_sglang_and_vllm_share_the_device(model: str, plain: dict, tmp_path: Path) -> None:
+def test_sglang_and_vllm_share_the_device(model: str, runs: dict, tmp_path: Path) -> None:
     """Both engines burst at once on one GPU through kvcached; each gives the tokens it gives alone."""
     from harness import finish_engine, start_engine
 
@@ -120,5 +162,5 @@ def test_sglang_and_vllm_share_the_device(model: str, plain: dict, tmp_path: Pat
     go.touch()
     s = _finish(sgl, tmp_path / "sgl.json")
     v = finish_engine(vllm_proc, timeout=600)
-    assert s["burst_tokens"] == plain[16]["burst_tokens"]
+    assert s["burst_tokens"] == _result(runs, "plain-16")["burst_tokens"]
     assert v["all_tokens"] == alone["all_tokens"]
