@@ -37,8 +37,10 @@ def test_the_delay_is_a_host_hook() -> None:
 
 def _start_refill(pool: Pool) -> list[int]:
     """Takes pages below the reserve's minimum and returns once the thread is inside its map."""
+    physical = pool.b.physical_bytes()
     got = pool.pa.alloc_pages(pool.pa.num_reserved - 2)
-    time.sleep(DELAY_S / 2)
+    # the thread creates the run's memory first (no delay), then maps it region by region (the delay)
+    assert wait_for(lambda: pool.b.physical_bytes() > physical)
     mapped = sum(n for _, n, _ in pool.pa.runs())
     assert pool.pa.num_reserved == 2 and mapped == len(got) + 2  # the refill has not landed yet
     return got
