@@ -9,6 +9,7 @@ Skipped, with the reason, where SGLang does not import.
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -364,3 +365,51 @@ def test_dense_row_features_need_the_per_layer_layout(sgl, monkeypatch: pytest.M
         with pytest.raises(KVCachedConfigError, match="hierarchical cache"):
             cfg.KVCacheConfigurator._init_pools(SimpleNamespace(), sizes=None, req_to_token_pool=None,
                                                 token_to_kv_pool_allocator=None)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_radix_cache_yields_on_a_full_device(sgl, page: int, monkeypatch: pytest.MonkeyPatch):
+    """Another engine on the device may be waiting for memory: an SGLang engine's cached prefixes go back, at the
+    next finished request and, for an idle engine, in the scheduler's idle pass (as vLLM's cache does)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from kvcached.integration.sglang import patches
+
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")
+    (_, _), (pool, alloc) = _pools(page)
+    rtp = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
+    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
+                                       page_size=page))
+
+    def finish(seed: int, n: int = 320) -> None:
+        locs = _extend(alloc, [n])
+        rtp.req_to_token[1, :n] = locs.to(torch.int32)
+        cache.cache_finished_req(SimpleNamespace(req_pool_idx=1, origin_input_ids=[seed + t for t in range(n)],
+                                                 output_ids=[], cache_protected_len=0, last_node=None,
+                                                 extra_key=None, priority=0), kv_len_to_handle=n)
+
+    pa = pool.kvcached_manager.page_allocator
+    finish(1000)
+    assert cache.evictable_size() == 320 and not pa.device_tight()
+    cache._kvcached_pressure_checked = 0.0
+    assert patches.yield_if_tight(cache) == 0  # room on the device: the cache stays
+    free, total = pa.backend.mem_info()
+    pa.backend.set_host_limit(total - free)  # another process took the rest of the device
+    cache._kvcached_pressure_checked = 0.0
+    finish(5000)  # the next finished request gives every cached prefix back
+    assert cache.evictable_size() == 0 and pa.device_tight()
+    assert pool.kvcached_manager.num_allocated_blocks() == 1  # the padding page only
+    pa.backend.set_host_limit(total)
+    finish(9000)  # an idle engine: nothing finishes, the scheduler's idle pass does it
+    assert cache.evictable_size() == 320
+    pa.backend.set_host_limit(total - pa.backend.mem_info()[0])
+    idle = patches.yield_on_idle(lambda self: "idle pass")
+    cache._kvcached_pressure_checked = 0.0
+    assert idle(SimpleNamespace(tree_cache=cache)) == "idle pass"
+    assert cache.evictable_size() == 0
+    cache._kvcached_pressure_checked = time.monotonic() + 60  # read just now: not again within PRESSURE_CHECK_S
+    finish(12000)
+    assert cache.evictable_size() == 320
+    pa.backend.set_host_limit(total)

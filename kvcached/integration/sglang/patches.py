@@ -14,6 +14,9 @@ Hook points (all in SGLang's installed source):
   not the free memory that other engines' KV pages happen to leave;
 - ``RadixCache.cache_finished_req``: the evictable prefix cache is bounded by
   ``KVCACHED_MAX_CACHED_TOKENS`` (as vLLM's prefix cache is), so evicted pages unmap;
+  while the device is nearly full (``PageAllocator.device_tight``: another engine sharing
+  it may be waiting for memory) all of it goes, there and in ``Scheduler.on_idle``, so an
+  idle engine's cache yields too (vLLM's block pool does the same: docs/coserving.md);
 - ``SchedulerInvariantChecker._report_leak``: SGLang's idle check that free + cached
   tokens equal the pool size does not hold when free means "can be mapped now" (a kvctl
   limit or another engine lowers it); kvcached checks every freed id itself.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 from typing import Any
 
 from kvcached import config
@@ -35,6 +39,7 @@ logger = get_kvcached_logger()
 _lock = threading.Lock()
 _applied = False
 GiB = 1 << 30
+PRESSURE_CHECK_S = 0.1  # how often a cache may read the device's free memory (one driver call)
 
 
 def kv_budget_bytes(total: int, fraction: float, reserved: int) -> int:
@@ -119,7 +124,30 @@ def check_pools(pool: Any, token_allocator: Any) -> None:
     pools.manager_of(pool)
 
 
+def yield_if_tight(cache: Any) -> int:
+    """Evict the whole evictable radix cache of a kvcached engine while the device is nearly full; the tokens
+    evicted. Reads the device at most every PRESSURE_CHECK_S (the scheduler calls this on every idle pass)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    alloc = getattr(cache, "token_to_kv_pool_allocator", None)
+    if not isinstance(cache, RadixCache) or not isinstance(alloc, _kvcached_allocators()):
+        return 0
+    n = cache.evictable_size()
+    now = time.monotonic()
+    if n <= 0 or now - getattr(cache, "_kvcached_pressure_checked", 0.0) < PRESSURE_CHECK_S:
+        return 0
+    cache._kvcached_pressure_checked = now
+    pa = alloc.kvcached.page_allocator
+    pa.refresh_mem_info()  # other processes change the device's free memory without telling us
+    if not pa.device_tight():
+        return 0
+    cache.evict(EvictParams(num_tokens=n))
+    return n
+
+
 def _patch_radix_cache() -> None:
+    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
@@ -130,11 +158,29 @@ def _patch_radix_cache() -> None:
             bound = config.max_cached_tokens()
             if bound >= 0 and self.evictable_size_ > bound:
                 self.evict(EvictParams(num_tokens=self.evictable_size_ - bound))
+            yield_if_tight(self)
             return result
 
         return cache_finished_req
 
     wrap_once(RadixCache, "cache_finished_req", bounded)
+    wrap_once(Scheduler, "on_idle", yield_on_idle)
+
+
+def yield_on_idle(original: Any) -> Any:
+    """``Scheduler.on_idle`` that first gives the radix cache back on a nearly full device."""
+    warned = []
+
+    def on_idle(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            yield_if_tight(getattr(self, "tree_cache", None))
+        except Exception as exc:  # a driver error must not stop the engine: say it once
+            if not warned:
+                logger.warning("kvcached: could not check the device for the radix cache: %s", exc)
+                warned.append(exc)
+        return original(self, *args, **kwargs)
+
+    return on_idle
 
 
 def _patch_leak_check() -> None:
