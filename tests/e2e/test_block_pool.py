@@ -313,3 +313,28 @@ def test_a_step_that_frees_many_requests_bounds_the_cache_once(make_pool, monkey
     _cache(pool, blocks)
     pool.free_blocks(blocks)
     assert pool.free_block_queue.num_free_blocks == 3 and len(scans) == 2
+
+
+def test_eviction_walks_the_cache_only_as_far_as_it_needs(make_pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcached.integration.vllm import block_pool
+
+    pool = make_pool()
+    first = pool.get_new_blocks(BPP - 1)  # the rest of page 0 (the null block's page: never whole)
+    pages = [pool.get_new_blocks(BPP) for _ in range(3)]  # pages 1, 2 and 3
+    for blocks in pages:
+        _cache(pool, blocks)
+        pool.free_blocks(blocks)
+    walked = []
+    walk = block_pool._lru_order
+
+    def counted(queue):
+        for b in walk(queue):
+            walked.append(b.block_id)
+            yield b
+
+    monkeypatch.setattr(block_pool, "_lru_order", counted)
+    assert pool._evict(1) == BPP  # the oldest whole page, found once its last block was seen
+    assert walked == [b.block_id for b in pages[0]]
+    assert all(b.block_hash is None for b in pages[0]) and all(b.block_hash is not None for b in pages[1])
+    assert _pages(pool) == 3
+    pool.free_blocks(first)

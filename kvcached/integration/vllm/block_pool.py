@@ -50,6 +50,19 @@ logger = get_kvcached_logger()
 PRESSURE_CHECK_S = 0.1  # how often a step may read the device's free memory (one driver call)
 
 
+def _lru_order(queue: FreeKVCacheBlockQueue) -> Iterator[KVCacheBlock]:
+    """The queue's blocks, least recently used first, walked lazily (vLLM's list between its fake head and tail);
+    the caller changes the queue only after the walk."""
+    head, tail = getattr(queue, "fake_free_list_head", None), getattr(queue, "fake_free_list_tail", None)
+    if head is None or tail is None:  # a vLLM without the fake ends: the whole list at once
+        yield from queue.get_all_free_blocks()
+        return
+    block = head.next_free_block
+    while block is not None and block is not tail:
+        yield block
+        block = block.next_free_block
+
+
 class KVCachedBlockPool(BlockPool):
     """A ``BlockPool`` whose physical blocks come from kvcached (same constructor as vLLM's)."""
 
@@ -245,15 +258,20 @@ class KVCachedBlockPool(BlockPool):
             return 0
         bpp = self.blocks_per_page
         by_page: dict[int, list[KVCacheBlock]] = {}
-        lru = queue.get_all_free_blocks()  # least recently used first
-        for block in lru:
-            by_page.setdefault(block.block_id // bpp, []).append(block)
-        whole = [blocks for page, blocks in by_page.items() if len(blocks) == self._page_count[page]]
+        lru: list[KVCacheBlock] = []
         chosen: list[KVCacheBlock] = []
-        for blocks in whole:
-            if len(chosen) >= want:
-                break
-            chosen.extend(blocks)
+        # Least recently used first, and only as far as needed: a page whose every block held here is cached
+        # is whole and goes as soon as it is complete, so a cache of finished requests' pages is rarely walked
+        # to its end (a full walk of a 1000-block cache cost ~0.2 ms a finished request: docs/serving_overhead.md).
+        for block in _lru_order(queue):
+            lru.append(block)
+            page = block.block_id // bpp
+            blocks = by_page.setdefault(page, [])
+            blocks.append(block)
+            if len(blocks) == self._page_count[page]:
+                chosen.extend(blocks)
+                if len(chosen) >= want:
+                    break
         if len(chosen) < want:
             # a page that keeps a live block stays mapped whatever goes: evict no more than asked, oldest first
             taken = {b.block_id for b in chosen}
