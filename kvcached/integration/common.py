@@ -4,6 +4,7 @@ the range its hooks were written for, and shutting kvcached down at the process'
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,3 +87,20 @@ def wrap_once(owner: Any, name: str, make: Callable[[Any], Any], marker: str = "
     wrapper = functools.wraps(original)(make(original))
     setattr(wrapper, marker, True)
     setattr(owner, name, wrapper)
+
+
+PRESSURE_CHECK_S = 0.1  # how often an engine's cache may read the device's free memory (one driver call)
+
+
+def device_tight_every(alloc: Any, holder: Any, attr: str, period: float) -> bool:
+    """``alloc.device_tight()`` on the device's free memory read again now, at most once every ``period`` seconds
+    per ``holder`` (its ``attr`` keeps the time of the last read; False in between): an engine asks on every step
+    or idle pass, and other processes change the free memory without telling it. The device's free memory, not
+    what the pool could obtain: that counts its own reserve, which an idle engine keeps full, so its cache would
+    never yield (seen on the H200: docs/coserving.md)."""
+    now = time.monotonic()
+    if now - getattr(holder, attr, 0.0) < period:
+        return False
+    setattr(holder, attr, now)
+    alloc.refresh_mem_info()
+    return bool(alloc.device_tight())

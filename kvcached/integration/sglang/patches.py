@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import atexit
 import threading
-import time
 from typing import Any
 
 from kvcached import config
 from kvcached.errors import KVCachedConfigError
-from kvcached.integration.common import wrap_once
+from kvcached.integration.common import PRESSURE_CHECK_S, device_tight_every, wrap_once
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -39,7 +38,6 @@ logger = get_kvcached_logger()
 _lock = threading.Lock()
 _applied = False
 GiB = 1 << 30
-PRESSURE_CHECK_S = 0.1  # how often a cache may read the device's free memory (one driver call)
 
 
 def kv_budget_bytes(total: int, fraction: float, reserved: int) -> int:
@@ -134,13 +132,8 @@ def yield_if_tight(cache: Any) -> int:
     if not isinstance(cache, RadixCache) or not isinstance(alloc, _kvcached_allocators()):
         return 0
     n = cache.evictable_size()
-    now = time.monotonic()
-    if n <= 0 or now - getattr(cache, "_kvcached_pressure_checked", 0.0) < PRESSURE_CHECK_S:
-        return 0
-    cache._kvcached_pressure_checked = now
-    pa = alloc.kvcached.page_allocator
-    pa.refresh_mem_info()  # other processes change the device's free memory without telling us
-    if not pa.device_tight():
+    if n <= 0 or not device_tight_every(alloc.kvcached.page_allocator, cache, "_kvcached_pressure_checked",
+                                        PRESSURE_CHECK_S):
         return 0
     cache.evict(EvictParams(num_tokens=n))
     return n

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -42,22 +41,18 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached import config, mem_info
 from kvcached.errors import KVCachePoolExhausted
+from kvcached.integration.common import PRESSURE_CHECK_S, device_tight_every
 from kvcached.integration.vllm import interfaces, kv_alloc, settings, tp
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
 
-PRESSURE_CHECK_S = 0.1  # how often a step may read the device's free memory (one driver call)
 
 
 def _lru_order(queue: FreeKVCacheBlockQueue) -> Iterator[KVCacheBlock]:
     """The queue's blocks, least recently used first, walked lazily (vLLM's list between its fake head and tail);
     the caller changes the queue only after the walk."""
-    head, tail = getattr(queue, "fake_free_list_head", None), getattr(queue, "fake_free_list_tail", None)
-    if head is None or tail is None:  # a vLLM without the fake ends: the whole list at once
-        yield from queue.get_all_free_blocks()
-        return
-    block = head.next_free_block
+    block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
     while block is not None and block is not tail:
         yield block
         block = block.next_free_block
@@ -325,14 +320,7 @@ class KVCachedBlockPool(BlockPool):
                     warned = True
 
     def _device_tight(self, alloc: Any) -> bool:
-        now = time.monotonic()
-        if now - self._pressure_checked < PRESSURE_CHECK_S:
-            return False
-        self._pressure_checked = now
-        alloc.refresh_mem_info()  # other processes' use changes the free memory without telling us
-        # the device's free memory, not what this pool could obtain: that counts its own reserve, which an
-        # idle engine keeps full, so its cache would never yield (seen on the H200: docs/coserving.md)
-        return bool(alloc.device_tight())
+        return device_tight_every(alloc, self, "_pressure_checked", PRESSURE_CHECK_S)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
