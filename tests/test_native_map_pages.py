@@ -105,6 +105,10 @@ def test_out_of_memory_rolls_back_and_keeps_live_data():
 def test_gil_released_while_mapping():
     # one page per run keeps the native work of a call at 768 mappings (runs would make it 32)
     b, vts, pa, views = per_layer(limit_mb=4096, num_layers=16, num_pages=24, max_run_pages=1)
+    # Each host map sleeps 100 us inside the native call, so a call lasts ~77 ms: long enough that
+    # the spinner is scheduled even on a loaded 2-core CI machine if, and only if, the GIL is free
+    # (CI of 44ed479 saw [0, 0, 0, 0, 0] with undelayed ~1 ms calls).
+    b._set_map_delay_us(100)
     ticks = 0
     stop = threading.Event()
 
@@ -123,7 +127,7 @@ def test_gil_released_while_mapping():
     try:
         time.sleep(0.05)
         turns = []
-        for _ in range(5):  # 24 pages x 32 regions: 768 mappings of native work
+        for _ in range(3):  # 24 pages x 32 regions: 768 mappings of native work
             before = ticks
             pa.map_pages(list(range(24)))
             turns.append(ticks - before)
@@ -132,5 +136,5 @@ def test_gil_released_while_mapping():
         stop.set()
         spinner.join(timeout=5)
         sys.setswitchinterval(interval)
-    # On a loaded 2-core machine the spinner is sometimes not scheduled during one short call.
+        b._set_map_delay_us(0)
     assert max(turns) > 1000, f"a Python thread ran only {turns} loop turns while map_pages ran: the GIL was held"
