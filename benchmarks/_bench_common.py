@@ -151,13 +151,15 @@ class Table:
 
 
 def write_report(out_dir: str | Path, stem: str, title: str, env: dict[str, str], lines: list[str],
-                 tables: list[Table]) -> None:
-    """Writes <out_dir>/<stem>.md (the title, the environment, lines, then the tables) and prints it."""
+                 tables: list[Table], *, quiet: bool = False) -> None:
+    """Writes <out_dir>/<stem>.md (the title, the environment, lines, then the tables) and, unless quiet, prints it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = [f"# {title}", ""] + [f"- {k}: {v}" for k, v in env.items()] + lines
     text = "\n".join(head) + "\n" + "\n".join(t.markdown() for t in tables)
     (out / f"{stem}.md").write_text(text)
+    if quiet:
+        return
     print(text)
     print(f"wrote {out / f'{stem}.md'}")
 

@@ -78,6 +78,14 @@ def main() -> None:
     table_out = bc.Table(f"decode {seqs} x {keys} keys, bf16, {Q_HEADS} q / {KV_HEADS} KV heads, d{HEAD}, block "
                          f"{BLOCK}: time (us) by block stride", ["block table", "K/V layout", "block stride",
                                                                  "blocks a 2 MiB page", "us", "vs dense", "check"])
+    env = bc.environment(DEV)
+
+    def report(quiet: bool = True) -> None:  # after every row, so a run cut short still leaves what it measured
+        bc.write_report(ARGS.out, f"block_stride_{bc.gpu_slug(DEV)}", "Decode time by KV block stride", env, [],
+                        [table_out], quiet=quiet)
+
+    table_out.notes.append("contiguous layout of Llama-3-8B's shape (32 layers): 2048 KiB; bench_peers' contiguous "
+                           "cache (8 layers): 512 KiB")
     for name, table in tables.items():
         want = paged_attention_ref(q, kd, vd, table, lens, qsl, scale=HEAD**-0.5)  # float64
         fn = call(kd, vd, table)
@@ -91,13 +99,10 @@ def main() -> None:
             t = timed(fn)
             table_out.add(name, "K, V side by side (contiguous)", f"{s // KiB} KiB", max(1, (2048 * KiB) // s), t,
                           t / base, check)
+            report()
             del k, v
             bc.free_memory(DEV)
-    table_out.notes.append("contiguous layout of Llama-3-8B's shape (32 layers): 2048 KiB; bench_peers' contiguous "
-                           "cache (8 layers): 512 KiB")
-    env = bc.environment(DEV)
-    bc.write_report(ARGS.out, f"block_stride_{bc.gpu_slug(DEV)}", "Decode time by KV block stride", env, [],
-                    [table_out])
+    report(quiet=False)
     if bc.FAILED_CHECKS:
         sys.exit("wrong outputs: " + "; ".join(bc.FAILED_CHECKS))
 
