@@ -20,7 +20,8 @@ from typing import Any
 _TORCHVISION_SCHEMAS: Any = None  # kept alive: a torch.library.Library drops its definitions when collected
 SGLANG_MODULES = ("sglang.srt.mem_cache.kv_cache_configurator", "sglang.srt.mem_cache.radix_cache",
                   "sglang.srt.managers.scheduler_components.invariant_checker",
-                  "sglang.kernels.ops.attention.decode_attention")
+                  "sglang.kernels.ops.attention.decode_attention", "sglang.srt.layers.radix_attention",
+                  "sglang.srt.layers.attention.attention_registry", "sglang.srt.model_executor.forward_batch_info")
 
 
 def _import_torchvision() -> None:

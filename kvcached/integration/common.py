@@ -14,6 +14,20 @@ from kvcached.utils import get_kvcached_logger
 logger = get_kvcached_logger()
 
 
+def triton_kernels() -> Any:
+    """``kvcached.kernels`` for an engine's attention backend, imported on first use; in Triton's interpreter
+    when there is no GPU (an engine's CPU build: slow, but the same code path, which the CPU tests check)."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import kvcached.kernels as kernels
+
+    return kernels
+
+
 def fresh_group_id() -> int:
     """The lowest KV group id with no tensors yet: each engine (or pool) in a process gets a group of its own,
     so a second one starts clean."""

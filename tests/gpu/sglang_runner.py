@@ -2,12 +2,14 @@
 
     python tests/gpu/sglang_runner.py SPEC_JSON OUT_JSON
 
-SPEC: ``model``, ``page_size``, ``prompts``, ``max_tokens``, optional ``burst`` (prompts), ``burst_tokens``,
+SPEC: ``model``, ``page_size``, ``prompts``, ``max_tokens``, optional ``attention_backend`` (``triton``),
+``logprobs`` (also greedy-decode ``prompts`` with logprobs: ``decode``), ``burst`` (prompts), ``burst_tokens``,
 ``limit_bytes`` (a kvctl limit set on this engine's segment before the burst), ``mem_fraction_static``,
 ``ready_file`` / ``wait_file`` (written once the engine is up / waited for before the burst: two engines
 burst together).
-OUT: the greedy ``tokens`` of ``prompts`` and of ``burst``, and (with kvcached) ``idle_used``,
-``peak_used`` and ``after_used``: the bytes of KV pages in use on this engine's segment before,
+OUT: the greedy ``tokens`` of ``prompts`` and of ``burst``, with ``logprobs`` their ``decode`` steps as
+``[token, logprob, lead over the runner-up]`` (tests/e2e/harness.check_decode's input), and (with kvcached)
+``idle_used``, ``peak_used`` and ``after_used``: the bytes of KV pages in use on this engine's segment before,
 at most during, and after the burst. Every request must finish: a failure is an exception here.
 """
 
@@ -37,15 +39,33 @@ def _tokens(engine: object, prompts: list[str], max_tokens: int) -> list[list[in
     return [list(o["output_ids"]) for o in outs]
 
 
+def _decode(engine: object, prompts: list[str], max_tokens: int) -> list[list[list]]:
+    outs = engine.generate(prompt=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": max_tokens,
+                                                            "ignore_eos": True},
+                           return_logprob=True, top_logprobs_num=2)
+    steps = []
+    for o in outs:
+        meta = o["meta_info"]
+        rows = []
+        for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
+            lead = top[0][0] - top[1][0] if top and len(top) > 1 else None
+            rows.append([tok, lp, lead])
+        steps.append(rows)
+    return steps
+
+
 def main(spec: dict, out_path: str) -> None:
     import sglang
 
     name = os.environ.get("KVCACHED_IPC_NAME") if os.environ.get("ENABLE_KVCACHED") == "true" else None
-    engine = sglang.Engine(model_path=spec["model"], page_size=spec.get("page_size", 1), attention_backend="triton",
+    engine = sglang.Engine(model_path=spec["model"], page_size=spec.get("page_size", 1),
+                           attention_backend=spec.get("attention_backend", "triton"),
                            sampling_backend="pytorch", mem_fraction_static=spec.get("mem_fraction_static", 0.2),
                            disable_cuda_graph=spec.get("disable_cuda_graph", False), log_level="warning",
                            context_length=512, random_seed=0)
     out: dict = {"pid": os.getpid(), "tokens": _tokens(engine, spec["prompts"], spec["max_tokens"])}
+    if spec.get("logprobs"):
+        out["decode"] = _decode(engine, spec["prompts"], spec["max_tokens"])
     if spec.get("ready_file"):
         open(spec["ready_file"], "w").close()
     if spec.get("burst"):

@@ -19,7 +19,10 @@ Hook points (all in SGLang's installed source):
   idle engine's cache yields too (vLLM's block pool does the same: docs/coserving.md);
 - ``SchedulerInvariantChecker._report_leak``: SGLang's idle check that free + cached
   tokens equal the pool size does not hold when free means "can be mapped now" (a kvctl
-  limit or another engine lowers it); kvcached checks every freed id itself.
+  limit or another engine lowers it); kvcached checks every freed id itself;
+- ``attention_registry.ATTENTION_BACKENDS`` and ``server_args.ATTENTION_BACKEND_CHOICES``
+  gain ``kvcached``: the Triton backend of :mod:`backend`, chosen with ``--attention-backend``;
+  ``ServerArgs.__post_init__`` gives it pages of 16 tokens when no ``--page-size`` was named.
 """
 
 from __future__ import annotations
@@ -176,6 +179,38 @@ def yield_on_idle(original: Any) -> Any:
     return on_idle
 
 
+def _register_attention_backend() -> None:
+    """``--attention-backend kvcached`` (also ``--prefill-`` / ``--decode-attention-backend``): SGLang's
+    argument choices and its backend registry. Plugins load before SGLang parses its arguments."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    from kvcached.integration.sglang.backend import NAME, create
+
+    if NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([NAME])
+    if NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(NAME)(create)
+    from sglang.srt.server_args import ServerArgs
+
+    wrap_once(ServerArgs, "__post_init__", pages_for_backend)
+
+
+def pages_for_backend(original: Any) -> Any:
+    """``ServerArgs.__post_init__`` that gives ``--attention-backend kvcached`` pages of 16 tokens where the user
+    named no page size (SGLang's default, 1, is below the smallest block its kernels read)."""
+    from kvcached.integration.sglang.backend import NAME
+
+    def __post_init__(self: Any) -> Any:
+        chosen = (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend)
+        if self.page_size is None and NAME in chosen:
+            logger.info("kvcached: --attention-backend %s reads pages of 16 tokens (--page-size 16)", NAME)
+            self.page_size = 16
+        return original(self)
+
+    return __post_init__
+
+
 def _patch_leak_check() -> None:
     from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 
@@ -211,6 +246,7 @@ def apply() -> str:
         _patch_pool_classes()
         _patch_radix_cache()
         _patch_leak_check()
+        _register_attention_backend()
         from kvcached.integration.common import shutdown_at_exit
         from kvcached.integration.sglang import interfaces
 

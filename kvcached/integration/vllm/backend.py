@@ -20,7 +20,6 @@ interpreter: slow, but the same code path, which is what the CPU tests check.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,6 +33,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from kvcached.integration.common import triton_kernels
+
 try:  # vLLM >= 0.29 names its KV layouts; older versions ask get_kv_cache_shape instead
     from vllm.v1.kv_cache_interface import KVCacheLayout
 except ImportError:
@@ -45,15 +46,6 @@ except ImportError:  # pragma: no cover - every supported vLLM has it
 
 HEAD_SIZES = [32, 64, 80, 96, 128, 256]
 BLOCK_SIZES = [16, 32, 64, 128]
-
-
-def _kernels() -> Any:
-    """``kvcached.kernels``, imported on first use (in the interpreter when there is no GPU)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import kvcached.kernels as kernels
-
-    return kernels
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +157,7 @@ class KVCachedAttentionImpl(AttentionImpl[KVCachedAttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
-        self.kernels = _kernels()
+        self.kernels = triton_kernels()
 
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
