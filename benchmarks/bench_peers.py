@@ -96,7 +96,7 @@ def make_cases(kinds: list[str]) -> list[Case]:
         ctx, batches, qs = 8192, (1, 64) if quick else (1, 8, 64, 256), (4,) if quick else (2, 4, 8, 16)
         n_uneven, lo, hi = 64, 256, 16384
         chunks, new, prior, decodes = 4, 1024, 3072, 60
-        prefills = [(1, 8192)] if quick else [(1, 8192), (8, 1024)]
+        prefills = [(1, 8192)] if quick else [(1, 8192), (8, 1024), (1, 32768)]  # 1 x 32k: issue 38's long prefill
     else:  # interpreter: tiny shapes, plumbing only (one case of each kind: every call costs seconds there)
         ctx, batches, qs = 64, (2,), (4,)
         n_uneven, lo, hi = 3, 16, 64
