@@ -216,7 +216,7 @@ def test_refusals_name_the_way_out(setup):
         backend.init_forward_metadata(verify)
     extend = SimpleNamespace(forward_mode=ForwardMode.EXTEND, encoder_lens=None, spec_info=None, batch_size=1)
     backend.init_cuda_graph_state(max_bs=1, max_num_tokens=1)
-    with pytest.raises(KVCachedConfigError, match="CUDA graphs of EXTEND"):
+    with pytest.raises(KVCachedConfigError, match="graphs of EXTEND batches.*--disable-prefill-cuda-graph"):
         backend.init_forward_metadata_out_graph(extend, in_capture=True)
 
 

@@ -105,7 +105,7 @@ class KVCachedAttnBackend(AttentionBackend):
         else:
             lens = list(forward_batch.extend_seq_lens_cpu)
             qsl = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
-            torch.cumsum(forward_batch.extend_seq_lens[:bs], 0, out=qsl[1:])
+            torch.cumsum(forward_batch.extend_seq_lens[:bs], 0, dtype=torch.int32, out=qsl[1:])
             max_q, min_q = max(lens), min(lens)
         self.forward_metadata = Metadata(
             block_table=self._block_table(forward_batch.req_pool_indices[:bs], -(-max_seq // self.page_size)),
@@ -127,7 +127,8 @@ class KVCachedAttnBackend(AttentionBackend):
         so a replay of any batch of the captured size is correct; only decode batches are captured."""
         self._check_mode(forward_batch)
         if not forward_batch.forward_mode.is_decode_or_idle() or forward_batch.spec_info is not None:
-            _refuse(f"CUDA graphs of {forward_batch.forward_mode.name} batches", "use --attention-backend triton")
+            _refuse(f"full CUDA graphs of {forward_batch.forward_mode.name} batches",
+                    "keep SGLang's default breakable prefill graphs, or --disable-prefill-cuda-graph")
         if self._graph is None:
             raise RuntimeError("init_cuda_graph_state() must come before a graph's metadata")
         g, bs = self._graph, forward_batch.batch_size
