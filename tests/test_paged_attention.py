@@ -116,7 +116,7 @@ def test_head_sizes(head_size):
     run_case(head_size=head_size, num_heads=2, num_kv_heads=1, q_lens=[1, 20], seq_lens=[33, 20], seed=3)
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 64, 128])  # 1: SGLang's default page
 def test_block_sizes(block_size):
     run_case(block_size=block_size, layout="per_layer", q_lens=[1, 9, 1], seq_lens=[150, 40, 129], seed=4)
 

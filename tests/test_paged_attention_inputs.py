@@ -165,7 +165,7 @@ def test_unsupported_head_size(head_size):
         paged_attention(q, kv, kv, bt, sl, qsl, max_query_len=2, max_seq_len=2)
 
 
-@pytest.mark.parametrize("block_size", [1, 8, 24, 256])
+@pytest.mark.parametrize("block_size", [3, 24, 256])
 def test_unsupported_block_size(block_size):
     q = torch.randn(2, 4, 32, dtype=torch.float16, device=DEVICE)
     kv = torch.randn(4, block_size, 2, 32, dtype=torch.float16, device=DEVICE)
@@ -280,9 +280,9 @@ def test_every_dispatcher_choice_is_compiled(target):
     for qdt in QUERY_DTYPES:
         for kdt in [qdt, *fp8]:
             for head in HEAD_SIZES:
-                for block in BLOCK_SIZES:
-                    # V's strides K's or not: the block size is a run-time value, so its last one takes the
-                    # other addressing (both meet every other axis without doubling the walk)
+                for block in (BLOCK_SIZES[0], BLOCK_SIZES[-1]):
+                    # the block size is a run-time value that select() does not read: the smallest and the
+                    # largest, the largest with V's own strides, so both addressings meet every other axis
                     same_kv = block != BLOCK_SIZES[-1]
                     for group in (1, 7, 33):
                         for feats in _feature_sets():

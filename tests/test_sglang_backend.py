@@ -36,26 +36,32 @@ def _runner(pool, page: int = PAGE, **over) -> SimpleNamespace:
     return runner
 
 
-@pytest.fixture(params=["sglang", "contiguous", "per_layer"])
+@pytest.fixture(params=[("sglang", 16), ("contiguous", 16), ("per_layer", 16), ("sglang", 1), ("contiguous", 1)],
+                ids=lambda p: f"{p[0]}-page{p[1]}")
 def setup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """(runner, allocator): SGLang's own pool, or kvcached's in one of its layouts."""
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    """(runner, allocator): SGLang's own pool, or kvcached's in one of its layouts; pages of 16 or 1 token."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    pool_cls, alloc_cls = MHATokenToKVPool, PagedTokenToKVPoolAllocator
-    if request.param != "sglang":
-        exact_mapping_env(monkeypatch, request.param == "contiguous", host_mb=96)
+    kind, page = request.param
+    pool_cls, token_cls, paged_cls = MHATokenToKVPool, TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
+    if kind != "sglang":
+        exact_mapping_env(monkeypatch, kind == "contiguous", host_mb=96)
         import sglang.srt.mem_cache.kv_cache_configurator as cfg
 
         from kvcached.integration.sglang import patches
 
         patches.apply()
-        pool_cls, alloc_cls = cfg.MHATokenToKVPool, cfg.PagedTokenToKVPoolAllocator
-    pool = pool_cls(SIZE, page_size=PAGE, dtype=DT, head_num=KV_HEADS, head_dim=DIM, layer_num=LAYERS,
+        pool_cls, token_cls, paged_cls = (cfg.MHATokenToKVPool, cfg.TokenToKVPoolAllocator,
+                                          cfg.PagedTokenToKVPoolAllocator)
+    pool = pool_cls(SIZE, page_size=page, dtype=DT, head_num=KV_HEADS, head_dim=DIM, layer_num=LAYERS,
                     device="cpu", enable_memory_saver=False, enable_alt_stream=False)
-    alloc = alloc_cls(SIZE, page_size=PAGE, dtype=DT, device="cpu", kvcache=pool, need_sort=False)
-    yield _runner(pool), alloc
-    if request.param != "sglang":
+    if page == 1:
+        alloc = token_cls(SIZE, dtype=DT, device="cpu", kvcache=pool, need_sort=False)
+    else:
+        alloc = paged_cls(SIZE, page_size=page, dtype=DT, device="cpu", kvcache=pool, need_sort=False)
+    yield _runner(pool, page), alloc
+    if kind != "sglang":
         from kvcached.integration.sglang import interfaces
 
         interfaces.shutdown_kvcached()
@@ -81,7 +87,9 @@ class Requests:
         prefix = torch.tensor([self.lens[i] for i in which])
         seq = prefix + torch.tensor(new)
         last = torch.tensor([int(self.r2t[self.rows[i], self.lens[i] - 1]) if self.lens[i] else -1 for i in which])
-        if decode:
+        if self.alloc.page_size == 1:
+            locs = self.alloc.alloc(sum(new))
+        elif decode:
             locs = self.alloc.alloc_decode(seq, seq, last)
         else:
             locs = self.alloc.alloc_extend(prefix, prefix, seq, seq, last, sum(new))
@@ -186,7 +194,8 @@ def test_decode_graph_buffers_serve_a_later_batch(setup):
     fb = padded(reqs.step([0, 1, 2], [1, 1, 1], decode=True))
     backend.init_forward_metadata_out_graph(fb, in_capture=True)
     captured = backend.forward_metadata
-    assert captured.max_seq_len >= CONTEXT and captured.block_table.shape == (4, CONTEXT // PAGE)
+    page = runner.page_size
+    assert captured.max_seq_len >= CONTEXT and captured.block_table.shape == (4, CONTEXT // page)
     _run(backend, reqs, [0, 1, 2], [1, 1, 1], fb, graph_rows=4)
     for _ in range(3):  # replays: later lengths, new pages (requests 0 and 1 at 32 -> 33 and 16 -> 17 tokens)
         fb = padded(reqs.step([0, 1, 2], [1, 1, 1], decode=True))
@@ -202,7 +211,7 @@ def test_refusals_name_the_way_out(setup):
 
     runner, _ = setup
     pool = runner.token_to_kv_pool
-    for over, match in (({"page_size": 1}, "--page-size 16"), ({"page_size": 8}, "--page-size 16"),
+    for over, match in (({"page_size": 256}, "--page-size 16"), ({"page_size": 24}, "--page-size 16"),
                         ({"use_mla_backend": True}, "MLA"), ({"sliding_window_size": 4096}, "sliding-window"),
                         ({"server_args": SimpleNamespace(speculative_algorithm="EAGLE")}, "speculative"),
                         ({"kv_cache_dtype": torch.float8_e4m3fn}, "--kv-cache-dtype auto")):
@@ -238,23 +247,26 @@ def test_registered_as_an_sglang_backend(monkeypatch: pytest.MonkeyPatch):
     assert isinstance(ATTENTION_BACKENDS["kvcached"](_runner(pool)), KVCachedAttnBackend)
 
 
-def test_server_args_take_the_backend_and_its_page_size(monkeypatch: pytest.MonkeyPatch, tmp_path):
-    """SGLang's own argument parsing accepts ``--attention-backend kvcached`` once the hooks are in, and a page
-    size left unnamed becomes 16 (SGLang's default of 1 is below the kernels' smallest block); a named one stays."""
+def test_sglang_parses_the_backend_choice(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """SGLang's own argument parsing accepts ``--attention-backend kvcached`` once the hooks are in (choices are
+    checked when arguments are parsed, after plugins load), and the backend's page sizes are the kernels'."""
     import sys
     from pathlib import Path
 
     exact_mapping_env(monkeypatch, False, host_mb=96)
     sys.path.insert(0, str(Path(__file__).parent / "e2e"))
-    from sglang.srt.server_args import ServerArgs, prepare_server_args
+    from sglang.srt.server_args import prepare_server_args
     from tiny_model import make_tiny_model
 
-    from kvcached.integration.sglang import patches
+    from kvcached.integration.sglang import backend, patches
 
     model = str(make_tiny_model(tmp_path / "m", hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=2))
     patches.apply()
     args = prepare_server_args(["--model-path", model, "--attention-backend", "kvcached", "--device", "cpu"])
-    assert args.attention_backend == "kvcached" and args.page_size == 16
-    assert ServerArgs(model_path=model, attention_backend="kvcached", page_size=64, device="cpu").page_size == 64
-    assert ServerArgs(model_path=model, decode_attention_backend="kvcached", device="cpu").page_size == 16
-    assert ServerArgs(model_path=model, attention_backend="triton", device="cpu").page_size == 1
+    assert args.attention_backend == "kvcached"
+    from kvcached.integration.common import triton_kernels
+
+    triton_kernels()  # the interpreter first where there is no GPU
+    from kvcached.kernels.paged_attention import BLOCK_SIZES
+
+    assert backend.PAGE_SIZES == BLOCK_SIZES

@@ -34,7 +34,7 @@ from kvcached.kernels.platform import (
 from kvcached.kernels.write_kv import _target_fp8 as _write_kv_target_fp8
 
 HEAD_SIZES = (32, 64, 80, 96, 128, 256)
-BLOCK_SIZES = (16, 32, 64, 128)
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
 Scale = torch.Tensor | float | None

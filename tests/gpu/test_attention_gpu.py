@@ -95,7 +95,7 @@ def test_fp8_kv(dtype, layout, style):
          v_scale=0.07, seed=1)
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 64, 128])
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
 def test_head_and_block_sizes(head_size, block_size):
     _run(head_size=head_size, block_size=block_size, num_heads=16, num_kv_heads=4, q_lens=[1, 700, 1],

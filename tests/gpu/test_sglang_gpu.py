@@ -68,6 +68,7 @@ def _finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> dict:
 # at most one plain SGLang engine, which plans its KV pool from the device's free memory (so another plain
 # engine's 20 % would leave it none); kvcached's engines plan from --mem-fraction-static alone and map little.
 PARALLEL = int(os.environ.get("KVCACHED_SGLANG_GPU_PARALLEL", "4"))
+OURS = [("contiguous", 16), ("per_layer", 1)]  # the kvcached attention backend's engines: each layout, each page kind
 
 
 def _run_all(jobs: dict[str, tuple[dict, dict[str, str]]], tmp: Path, timeout: float = 900) -> dict[str, dict | str]:
@@ -105,17 +106,17 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     spec = {"model": model, **SHORT, **BURST}
     jobs: dict[str, tuple[dict, dict[str, str]]] = {}
     for page in (1, 16):
-        jobs[f"plain-{page}"] = ({**spec, "page_size": page, "logprobs": page == 16}, _env(False, ""))
+        jobs[f"plain-{page}"] = ({**spec, "page_size": page, "logprobs": True}, _env(False, ""))
         for layout in ("contiguous", "per_layer"):
             jobs[f"{layout}-{page}"] = ({**spec, "page_size": page}, _env(
                 True, f"sgl_{layout}_{page}_{os.getpid()}",
                 KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false"))
         jobs[f"limit-{page}"] = ({**spec, "page_size": page, "limit_bytes": 24 * MiB},
                                  _env(True, f"sgl_limit_{page}_{os.getpid()}"))
-    for layout in ("contiguous", "per_layer"):  # kvcached's Triton attention backend (pages of 16+ tokens)
-        jobs[f"ours-{layout}"] = ({**spec, "page_size": 16, "attention_backend": "kvcached", "logprobs": True},
-                                  _env(True, f"sgl_ours_{layout}_{os.getpid()}",
-                                       KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false"))
+    for layout, page in OURS:  # kvcached's Triton attention backend
+        jobs[f"ours-{layout}-{page}"] = ({**spec, "page_size": page, "attention_backend": "kvcached", "logprobs": True},
+                                         _env(True, f"sgl_ours_{layout}_{os.getpid()}",
+                                              KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false"))
     return _run_all(jobs, tmp_path_factory.mktemp("engines"))
 
 
@@ -135,11 +136,11 @@ def test_greedy_tokens_equal_plain_sglang_and_memory_follows_load(runs: dict, pa
     assert r["after_used"] <= r["idle_used"]  # and gave them back
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "per_layer"])
-def test_kvcached_attention_backend_matches_sglang_triton(runs: dict, layout: str) -> None:
+@pytest.mark.parametrize(("layout", "page"), OURS)
+def test_kvcached_attention_backend_matches_sglang_triton(runs: dict, layout: str, page: int) -> None:
     """``--attention-backend kvcached`` (its kernels read and write kvcached's buffers in the layout) against
     plain SGLang's Triton backend: greedy decoding step by step, parting only at a near-tie; memory follows."""
-    plain, r = _result(runs, "plain-16"), _result(runs, f"ours-{layout}")
+    plain, r = _result(runs, f"plain-{page}"), _result(runs, f"ours-{layout}-{page}")
     check_decode(plain["decode"], r["decode"])  # prefill, then decode steps replayed from CUDA graphs
     assert r["peak_used"] > r["idle_used"] + 4 * MiB
     assert r["after_used"] <= r["idle_used"]

@@ -6,12 +6,12 @@ are read as ``[pages, page_size, H, D]`` with whatever strides they have; a requ
 ``req_to_token`` table (the slot of its token ``j * page_size`` is ``page * page_size``), so the kernels see
 the block table and sequence lengths vLLM's would. New K/V go in with kvcached's write kernel.
 
-Supported: decoder self-attention of MHA/GQA models with K and V of one head size, pages of 16 - 128 tokens,
+Supported: decoder self-attention of MHA/GQA models with K and V of one head size, pages of 1 - 128 tokens,
 prefill, chunked prefill over a cached prefix, mixed and decode batches, tanh logit caps and attention sinks,
 decode CUDA graphs (buffers filled before each replay, kernels planned for the longest context) and SGLang's
-breakable prefill graphs (attention runs eagerly there). Refused with an error naming the way out: page size
-1 (the kernels read whole blocks; start with ``--page-size 16``), MLA, sliding windows, speculative decoding,
-cross-attention and fp8 KV caches.
+breakable prefill graphs (attention runs eagerly there). Pages of 16 or more read faster (one block-table load
+serves a page's keys). Refused with an error naming the way out: pages of more than 128 tokens, MLA, sliding
+windows, speculative decoding, cross-attention and fp8 KV caches.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from kvcached.errors import KVCachedConfigError
 from kvcached.integration.common import triton_kernels
 
 NAME = "kvcached"
-PAGE_SIZES = (16, 32, 64, 128)  # the kernels' block sizes (kvcached.kernels.paged_attention.BLOCK_SIZES)
+# the kernels' block sizes (kvcached.kernels.paged_attention.BLOCK_SIZES, not imported here: the kernels must
+# be imported after triton_kernels() has chosen the interpreter on a machine without a GPU)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass
@@ -54,7 +56,7 @@ class KVCachedAttnBackend(AttentionBackend):
         other = "use --attention-backend triton for it"
         self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
         if self.page_size not in PAGE_SIZES:
-            _refuse(f"pages of {self.page_size} token(s)", f"start SGLang with --page-size 16 (any of {PAGE_SIZES})")
+            _refuse(f"pages of {self.page_size} tokens", f"start SGLang with --page-size 16 (any of {PAGE_SIZES})")
         if getattr(model_runner, "use_mla_backend", False):
             _refuse("MLA models", other)
         window = getattr(model_runner, "sliding_window_size", None)

@@ -21,8 +21,7 @@ Hook points (all in SGLang's installed source):
   tokens equal the pool size does not hold when free means "can be mapped now" (a kvctl
   limit or another engine lowers it); kvcached checks every freed id itself;
 - ``attention_registry.ATTENTION_BACKENDS`` and ``server_args.ATTENTION_BACKEND_CHOICES``
-  gain ``kvcached``: the Triton backend of :mod:`backend`, chosen with ``--attention-backend``;
-  ``ServerArgs.__post_init__`` gives it pages of 16 tokens when no ``--page-size`` was named.
+  gain ``kvcached``: the Triton backend of :mod:`backend`, chosen with ``--attention-backend``.
 """
 
 from __future__ import annotations
@@ -191,24 +190,6 @@ def _register_attention_backend() -> None:
         add_attention_backend_choices([NAME])
     if NAME not in ATTENTION_BACKENDS:
         register_attention_backend(NAME)(create)
-    from sglang.srt.server_args import ServerArgs
-
-    wrap_once(ServerArgs, "__post_init__", pages_for_backend)
-
-
-def pages_for_backend(original: Any) -> Any:
-    """``ServerArgs.__post_init__`` that gives ``--attention-backend kvcached`` pages of 16 tokens where the user
-    named no page size (SGLang's default, 1, is below the smallest block its kernels read)."""
-    from kvcached.integration.sglang.backend import NAME
-
-    def __post_init__(self: Any) -> Any:
-        chosen = (self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend)
-        if self.page_size is None and NAME in chosen:
-            logger.info("kvcached: --attention-backend %s reads pages of 16 tokens (--page-size 16)", NAME)
-            self.page_size = 16
-        return original(self)
-
-    return __post_init__
 
 
 def _patch_leak_check() -> None:
