@@ -9,8 +9,8 @@ the block table and sequence lengths vLLM's would. New K/V go in with kvcached's
 Supported: decoder self-attention of MHA/GQA models with K and V of one head size, pages of 1 - 128 tokens,
 prefill, chunked prefill over a cached prefix, mixed and decode batches, tanh logit caps and attention sinks,
 decode CUDA graphs (buffers filled before each replay, kernels planned for the longest context) and SGLang's
-breakable prefill graphs (attention runs eagerly there). Pages of 16 or more read faster (one block-table load
-serves a page's keys). Refused with an error naming the way out: pages of more than 128 tokens, MLA, sliding
+breakable prefill graphs (attention runs eagerly there). With pages of one token the block table is the slots
+themselves (a table entry per key; larger pages share one among a page's keys). Refused with an error naming the way out: pages of more than 128 tokens, MLA, sliding
 windows, speculative decoding, cross-attention and fp8 KV caches.
 """
 
