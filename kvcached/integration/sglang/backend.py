@@ -10,8 +10,9 @@ Supported: decoder self-attention of MHA/GQA models with K and V of one head siz
 prefill, chunked prefill over a cached prefix, mixed and decode batches, tanh logit caps and attention sinks,
 decode CUDA graphs (buffers filled before each replay, kernels planned for the longest context) and SGLang's
 breakable prefill graphs (attention runs eagerly there). With pages of one token the block table is the slots
-themselves (a table entry per key; larger pages share one among a page's keys). Refused with an error naming the way out: pages of more than 128 tokens, MLA, sliding
-windows, speculative decoding, cross-attention and fp8 KV caches.
+themselves (a table entry per key; larger pages share one among a page's keys). Refused with an error naming
+the way out: pages of more than 128 tokens, MLA, sliding windows, speculative decoding, cross-attention, fp8 KV
+caches and full (not breakable) prefill graphs.
 """
 
 from __future__ import annotations
