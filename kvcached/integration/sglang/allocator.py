@@ -11,6 +11,8 @@ Contract kept with SGLang (0.5.17):
   scheduler's admission check sees the limit before it allocates;
 - page 0 is SGLang's padding page: kvcached's null block, mapped and never handed out;
 - a double free raises ValueError (kvcached checks every id) instead of corrupting a list;
+- a decode step's pages are held from SGLang's check (``check_decode_mem``, see :mod:`patches`) to its
+  allocation, so another engine cannot take them in between: the check fails instead (SGLang retracts);
 - ``free_pages`` / ``release_pages`` stay empty tensors: SGLang's idle checks read them.
 """
 
@@ -59,8 +61,16 @@ class _KvcachedAllocatorMixin:
     def merge_and_sort_free(self) -> None:
         """Nothing to merge: freed pages go back to kvcached at once."""
 
+    def hold(self, pages: int) -> bool:
+        """Keep ``pages`` pages reserved in kvcached for the next allocation, so another engine cannot take them
+        between SGLang's check and its allocation; False (nothing more held) if they cannot be had now."""
+        short = int(pages) - len(self.kvcached.reserved_blocks)
+        return short <= 0 or self.kvcached.try_to_reserve(short)
+
     def _take_pages(self, n: int) -> torch.Tensor | None:
-        ids = self.kvcached.alloc(int(n))
+        ids = self.kvcached.alloc(int(n))  # held pages first
+        if self.kvcached.reserved_blocks:  # what a hold over-estimated goes back at once
+            self.kvcached.free_reserved()
         if ids is None:
             return None
         return torch.tensor(ids, dtype=torch.int64, device=self.device)

@@ -20,6 +20,9 @@ Hook points (all in SGLang's installed source):
 - ``SchedulerInvariantChecker._report_leak``: SGLang's idle check that free + cached
   tokens equal the pool size does not hold when free means "can be mapped now" (a kvctl
   limit or another engine lowers it); kvcached checks every freed id itself;
+- ``ScheduleBatch.check_decode_mem``: where the next decode step fits, its pages are held in
+  kvcached until ``prepare_for_decode`` allocates them (another engine cannot take them in between;
+  if it already has, the check fails and SGLang retracts, as for a full pool);
 - ``attention_registry.ATTENTION_BACKENDS`` and ``server_args.ATTENTION_BACKEND_CHOICES``
   gain ``kvcached``: the Triton backend of :mod:`backend`, chosen with ``--attention-backend``.
 """
@@ -178,6 +181,29 @@ def yield_on_idle(original: Any) -> Any:
     return on_idle
 
 
+def _patch_decode_check() -> None:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    wrap_once(ScheduleBatch, "check_decode_mem", holding_decode_check)
+
+
+def holding_decode_check(original: Any) -> Any:
+    """``ScheduleBatch.check_decode_mem`` that, where the next decode step fits, holds its pages in kvcached until
+    ``prepare_for_decode`` allocates them. Without the hold another engine on the device could take them in
+    between and SGLang's allocation would raise "Decode out of memory"; with it, pages that cannot be had make
+    the check fail, and SGLang retracts requests (or aborts the last one) as for a full pool."""
+
+    def check_decode_mem(self: Any, selected_indices: Any = None) -> bool:
+        fits = original(self, selected_indices)
+        alloc = getattr(self, "token_to_kv_pool_allocator", None)
+        if not fits or not isinstance(alloc, _kvcached_allocators()):
+            return fits
+        tokens = self.new_tokens_required_next_decode(selected_indices)
+        return alloc.hold(-(-tokens // alloc.page_size))
+
+    return check_decode_mem
+
+
 def _register_attention_backend() -> None:
     """``--attention-backend kvcached`` (also ``--prefill-`` / ``--decode-attention-backend``): SGLang's
     argument choices and its backend registry. Plugins load before SGLang parses its arguments."""
@@ -227,6 +253,7 @@ def apply() -> str:
         _patch_pool_classes()
         _patch_radix_cache()
         _patch_leak_check()
+        _patch_decode_check()
         _register_attention_backend()
         from kvcached.integration.common import shutdown_at_exit
         from kvcached.integration.sglang import interfaces
