@@ -40,6 +40,7 @@ class _KvcachedAllocatorMixin:
     device: Any
     is_not_in_free_group: bool
     free_group: list[torch.Tensor]
+    _held: int
 
     def _bind(self, kvcache: Any) -> None:
         self.kvcached = manager_of(kvcache)
@@ -49,7 +50,8 @@ class _KvcachedAllocatorMixin:
         self.clear()
 
     def clear(self) -> None:
-        self.kvcached.clear()  # the null block (page 0) stays
+        self.kvcached.clear()  # the null block (page 0) stays; held pages go too
+        self._held = 0  # pages held by hold() for the next allocation
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.is_not_in_free_group = True
@@ -64,12 +66,18 @@ class _KvcachedAllocatorMixin:
     def hold(self, pages: int) -> bool:
         """Keep ``pages`` pages reserved in kvcached for the next allocation, so another engine cannot take them
         between SGLang's check and its allocation; False (nothing more held) if they cannot be had now."""
-        short = int(pages) - len(self.kvcached.reserved_blocks)
-        return short <= 0 or self.kvcached.try_to_reserve(short)
+        short = int(pages) - self._held
+        if short <= 0:
+            return True
+        if not self.kvcached.try_to_reserve(short):
+            return False
+        self._held += short
+        return True
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
         ids = self.kvcached.alloc(int(n))  # held pages first
-        if self.kvcached.reserved_blocks:  # what a hold over-estimated goes back at once
+        if self._held:  # what a hold over-estimated goes back at once
+            self._held = 0
             self.kvcached.free_reserved()
         if ids is None:
             return None

@@ -77,6 +77,7 @@ class KVCachedAttnBackend(AttentionBackend):
         self.kernels = triton_kernels()
         self.forward_metadata: Metadata | None = None
         self._graph: dict[str, torch.Tensor] | None = None
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor, float | None]] = {}  # see _layer
 
     # ---- metadata ----------------------------------------------------------------------------------------
 
@@ -148,19 +149,12 @@ class KVCachedAttnBackend(AttentionBackend):
 
     # ---- attention ---------------------------------------------------------------------------------------
 
-    def _caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V as ``[pages, page_size, H, D]`` views (any strides: kvcached's layouts)."""
-        out = []
-        for buf in (self.pool.get_key_buffer(layer_id), self.pool.get_value_buffer(layer_id)):
-            rows = buf.shape[0] // self.page_size * self.page_size
-            out.append(buf[:rows].unflatten(0, (-1, self.page_size)))
-        return out[0], out[1]
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any,
-                forward_batch: Any, save_kv_cache: bool, sinks: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
-        for name in ("score_mod", "aux_tensors"):
-            if kwargs.get(name) is not None:
-                _refuse(f"{name}", "use --attention-backend triton for it")
+    def _layer(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        """The layer's K and V as ``[pages, page_size, H, D]`` views (any strides: kvcached's layouts) and its
+        softcap, checked and made at its first call (a pool's buffers stay where they are)."""
+        got = self._layers.get(layer.layer_id)
+        if got is not None:
+            return got
         if layer.is_cross_attention or getattr(getattr(layer, "attn_type", None), "value", "decoder") != "decoder":
             _refuse("attention other than decoder self-attention", "use --attention-backend triton for it")
         if layer.qk_head_dim != layer.v_head_dim:
@@ -170,8 +164,20 @@ class KVCachedAttnBackend(AttentionBackend):
         cap = float(layer.logit_cap or 0.0)
         if cap > 0 and getattr(layer, "logit_capping_method", "tanh") != "tanh":
             _refuse(f"logit capping {layer.logit_capping_method!r}", "use --attention-backend triton for it")
+        views = []
+        for buf in (self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)):
+            rows = buf.shape[0] // self.page_size * self.page_size
+            views.append(buf[:rows].unflatten(0, (-1, self.page_size)))
+        got = self._layers[layer.layer_id] = (views[0], views[1], cap if cap > 0 else None)
+        return got
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any,
+                forward_batch: Any, save_kv_cache: bool, sinks: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        for name in ("score_mod", "aux_tensors"):
+            if kwargs.get(name) is not None:
+                _refuse(f"{name}", "use --attention-backend triton for it")
+        k_cache, v_cache, softcap = self._layer(layer)
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
-        k_cache, v_cache = self._caches(layer.layer_id)
         if save_kv_cache and k is not None:
             loc = forward_batch.out_cache_loc
             n = min(k.shape[0], loc.shape[0])
@@ -185,7 +191,7 @@ class KVCachedAttnBackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata() must run before the attention of a step")
         self.kernels.paged_attention(
             q, k_cache, v_cache, m.block_table, m.seq_lens, m.query_start_loc, max_query_len=m.max_query_len,
-            max_seq_len=m.max_seq_len, scale=layer.scaling, causal=True, softcap=cap if cap > 0 else None,
+            max_seq_len=m.max_seq_len, scale=layer.scaling, causal=True, softcap=softcap,
             sinks=None if sinks is None else sinks.to(torch.float32).contiguous(), out=out,
             min_query_len=m.min_query_len)
         return out.view(-1, heads * dim)

@@ -48,7 +48,6 @@ from kvcached.utils import get_kvcached_logger
 logger = get_kvcached_logger()
 
 
-
 def _lru_order(queue: FreeKVCacheBlockQueue) -> Iterator[KVCacheBlock]:
     """The queue's blocks, least recently used first, walked lazily (vLLM's list between its fake head and tail);
     the caller changes the queue only after the walk."""
