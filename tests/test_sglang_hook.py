@@ -189,6 +189,162 @@ def test_decode_pages_are_held_from_sglangs_check_to_its_allocation(sgl, page: i
     assert kv.reserved_blocks == []
 
 
+def _adder(monkeypatch: pytest.MonkeyPatch, cache, alloc, page: int):
+    """SGLang's prefill admission (``PrefillAdder``) as the scheduler makes it for a pass, no running batch."""
+    import sglang.srt.managers.schedule_policy as policy
+
+    # two reads of SGLang's published server configuration (not published outside an engine): both features off
+    monkeypatch.setattr(policy, "is_dsa_prefill_cp_in_seq_split", lambda: False)
+    monkeypatch.setattr(policy, "is_prefill_context_parallel_enabled", lambda: False)
+    return policy.PrefillAdder(page, cache, alloc, None, 0.5, 16384, 8192)
+
+
+def _waiting(cache, rid: str, tokens: list[int]):
+    """A request as it waits in SGLang's queue, its cached prefix matched (``init_next_round_input``)."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=16))
+    req.init_next_round_input(cache)
+    return req
+
+
+def _allocate_prefill(cache, alloc, reqs):
+    """What ``prepare_for_extend`` allocates for admitted requests (SGLang's own functions: they evict from the
+    radix cache first, then raise "Prefill out of memory" if the allocator returns None)."""
+    from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend, alloc_token_slots
+
+    pre = [len(r.prefix_indices) for r in reqs]
+    seq = [len(r.full_untruncated_fill_ids) for r in reqs]
+    n = sum(seq) - sum(pre)
+    if alloc.page_size == 1:
+        return alloc_token_slots(cache, n)
+    last = [int(r.prefix_indices[-1]) if p else -1 for r, p in zip(reqs, pre, strict=True)]
+    return alloc_paged_token_slots_extend(cache, torch.tensor(pre), torch.tensor(pre), torch.tensor(seq),
+                                          torch.tensor(seq), torch.tensor(last), n)
+
+
+def _radix(alloc, page: int):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    rtp = ReqToTokenPool(size=4, max_context_len=2048, device="cpu", enable_memory_saver=False)
+    return rtp, RadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
+                                           page_size=page))
+
+
+def _fill_device(other_pool, page: int) -> None:
+    """Another engine on the device maps every page the device has left."""
+    other = other_pool.kvcached_manager
+    for chunk in (512 // page, 1):
+        while other.alloc(chunk) is not None:
+            pass
+
+
+def _other_engine(page: int):
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+
+    return cfg.MHATokenToKVPool(6000, page_size=page, dtype=torch.float32, head_num=8, head_dim=128,
+                                layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_prefill_pages_are_held_from_admission_to_allocation(sgl, page: int, monkeypatch: pytest.MonkeyPatch):
+    """Another engine takes every page it can between SGLang's prefill admission and the prefill's allocation:
+    the request's pages were held when it was admitted, so the allocation gets them (unheld, SGLang raised
+    "Prefill out of memory", which stops its engine); a request whose pages cannot be had is not admitted."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)  # 512 tokens a kvcached page (2 MiB x 4 buffers)
+    other_pool = _other_engine(page)
+    kv = pool.kvcached_manager
+    _, cache = _radix(alloc, page)
+    adder = _adder(monkeypatch, cache, alloc, page)
+    req = _waiting(cache, "r1", list(range(1000, 1700)))  # 700 tokens: past the padding page's kvcached page
+    assert adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
+    assert adder.can_run_list == [req]
+    assert alloc.held_pages == -(-700 // page) + 1  # SGLang's bound: the paged extend and a page
+    _fill_device(other_pool, page)
+    locs = _allocate_prefill(cache, alloc, [req])
+    assert len(locs) == 700 and len(set(locs.tolist())) == 700
+    assert alloc.held_pages == 0 and kv.reserved_blocks == []  # the bound's spare page went back
+    spare = kv.mapped_bytes // kv.page_group_bytes * (512 // page) - kv.num_allocated_blocks()
+    assert kv.alloc(spare + 1) is None  # a new kvcached page cannot be had: unheld, the allocation lost that race
+    # the next pass, the device still full: a new request is not admitted (it waits), and nothing stays held
+    adder = _adder(monkeypatch, cache, alloc, page)
+    late = _waiting(cache, "r2", list(range(5000, 5700)))
+    assert adder.add_one_req(late, has_chunked_req=False, truncation_align_size=None) == AddReqResult.NO_TOKEN
+    assert adder.can_run_list == [] and alloc.held_pages == 0 and kv.reserved_blocks == []
+    alloc.free(locs)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_prefill_admission_takes_its_pages_from_the_radix_cache(sgl, page: int, monkeypatch: pytest.MonkeyPatch):
+    """With the device full, a request whose pages this engine's cached prefixes hold is admitted: the cache gives
+    them up at the admission (as SGLang's allocation would a moment later), while the request's own cached prefix
+    stays; nothing can take the pages between the admission and the allocation."""
+    from array import array
+
+    from sglang.srt.managers.schedule_policy import AddReqResult
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")
+    (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)
+    other_pool = _other_engine(page)
+    kv = pool.kvcached_manager
+    rtp, cache = _radix(alloc, page)
+    prompts = {"old": list(range(20000, 21024)), "shared": list(range(30000, 30256))}
+    for slot, tokens in enumerate(prompts.values(), start=1):  # two finished requests, cached
+        locs = _extend(alloc, [len(tokens)])
+        rtp.req_to_token[slot, :len(tokens)] = locs.to(torch.int32)
+        cache.cache_finished_req(SimpleNamespace(req_pool_idx=slot, origin_input_ids=array("q", tokens),
+                                                 output_ids=array("q"), cache_protected_len=0, last_node=None,
+                                                 extra_key=None, priority=0), kv_len_to_handle=len(tokens))
+    assert cache.evictable_size() == 1024 + 256
+    _fill_device(other_pool, page)
+    req = _waiting(cache, "r1", prompts["shared"] + list(range(40000, 40600)))  # a cached prefix + 600 new tokens
+    assert len(req.prefix_indices) == 256
+    adder = _adder(monkeypatch, cache, alloc, page)
+    assert adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
+    assert alloc.held_pages >= -(-600 // page)
+    # the old prefix gave up the pages; the shared one, the request's own and now locked by it, stayed
+    assert cache.evictable_size() <= 1024 - 600 and len(req.prefix_indices) == 256
+    shared = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompts["shared"]))))
+    assert shared.device_indices.numel() == 256
+    locs = _allocate_prefill(cache, alloc, [req])
+    assert len(locs) == 600 and alloc.held_pages == 0 and kv.reserved_blocks == []
+    assert not set(locs.tolist()) & set(req.prefix_indices.tolist())
+
+
+def test_a_prefill_pass_gives_back_what_it_held(sgl):
+    """Pages held by a pass's admissions and not allocated by its batch (nothing formed, or an error) go back
+    when the pass ends."""
+    from kvcached.integration.sglang import patches
+
+    (_, _), (pool, alloc) = _pools(16)
+    kv = pool.kvcached_manager
+
+    def admits_then(outcome):
+        def raw(scheduler, *args):
+            assert alloc.hold(3)
+            if outcome == "error":
+                raise RuntimeError("an error inside the pass")
+            return None, "running batch"
+
+        return patches.releasing_prefill_holds(raw)
+
+    scheduler = SimpleNamespace(token_to_kv_pool_allocator=alloc)
+    assert admits_then("nothing")(scheduler) == (None, "running batch")
+    assert alloc.held_pages == 0 and kv.reserved_blocks == []
+    with pytest.raises(RuntimeError, match="inside the pass"):
+        admits_then("error")(scheduler)
+    assert alloc.held_pages == 0 and kv.reserved_blocks == []
+
+
 @pytest.mark.parametrize("page", [1, 16])
 def test_kvctl_limit_below_demand_makes_requests_wait(sgl, page: int, eventually):
     """A limit lowers ``available_size`` (SGLang's admission check) and an allocation past it returns None

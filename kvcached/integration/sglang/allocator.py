@@ -12,7 +12,8 @@ Contract kept with SGLang (0.5.17):
 - page 0 is SGLang's padding page: kvcached's null block, mapped and never handed out;
 - a double free raises ValueError (kvcached checks every id) instead of corrupting a list;
 - a decode step's pages are held from SGLang's check (``check_decode_mem``, see :mod:`patches`) to its
-  allocation, so another engine cannot take them in between: the check fails instead (SGLang retracts);
+  allocation, so another engine cannot take them in between: the check fails instead (SGLang retracts); so
+  are a prefill's, from the request's admission (``PrefillAdder``) to ``prepare_for_extend``;
 - ``free_pages`` / ``release_pages`` stay empty tensors: SGLang's idle checks read them.
 """
 
@@ -74,11 +75,19 @@ class _KvcachedAllocatorMixin:
         self._held += short
         return True
 
-    def _take_pages(self, n: int) -> torch.Tensor | None:
-        ids = self.kvcached.alloc(int(n))  # held pages first
-        if self._held:  # what a hold over-estimated goes back at once
+    @property
+    def held_pages(self) -> int:
+        return self._held
+
+    def release_held(self) -> None:
+        """Give back every page :meth:`hold` kept."""
+        if self._held:
             self._held = 0
             self.kvcached.free_reserved()
+
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        ids = self.kvcached.alloc(int(n))  # held pages first
+        self.release_held()  # what a hold over-estimated goes back at once
         if ids is None:
             return None
         return torch.tensor(ids, dtype=torch.int64, device=self.device)

@@ -23,6 +23,11 @@ Hook points (all in SGLang's installed source):
 - ``ScheduleBatch.check_decode_mem``: where the next decode step fits, its pages are held in
   kvcached until ``prepare_for_decode`` allocates them (another engine cannot take them in between;
   if it already has, the check fails and SGLang retracts, as for a full pool);
+- ``PrefillAdder.add_one_req`` / ``add_chunked_req``: a prefill's pages are held in kvcached when the request is
+  admitted (what this engine's radix cache must give up for them is evicted then, not at the allocation), and
+  ``Scheduler._get_new_batch_prefill_raw`` gives back what a pass held but did not allocate: between SGLang's
+  admission and ``prepare_for_extend`` another engine cannot take them, which SGLang would meet with "Prefill
+  out of memory" (an error that stops the engine); a request whose pages cannot be had is not admitted (it waits);
 - ``attention_registry.ATTENTION_BACKENDS`` and ``server_args.ATTENTION_BACKEND_CHOICES``
   gain ``kvcached``: the Triton backend of :mod:`backend`, chosen with ``--attention-backend``.
 """
@@ -204,6 +209,78 @@ def holding_decode_check(original: Any) -> Any:
     return check_decode_mem
 
 
+def _patch_prefill_admission() -> None:
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.managers.scheduler import Scheduler
+
+    wrap_once(PrefillAdder, "add_one_req", holding_admission)
+    wrap_once(PrefillAdder, "add_chunked_req", holding_chunk)
+    wrap_once(Scheduler, "_get_new_batch_prefill_raw", releasing_prefill_holds)
+
+
+def hold_prefill(adder: Any, req: Any, new_tokens: int) -> bool:
+    """Hold in kvcached the pages of everything ``adder`` admitted so far plus ``new_tokens`` of ``req``; where
+    kvcached cannot give them all, this engine's radix cache gives up the rest now (least recently used,
+    never a locked prefix nor ``req``'s own). False if they cannot be had even so."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    alloc = adder.token_to_kv_pool_allocator
+    page = adder.page_size
+    # SGLang's own upper bound of a pass's allocation: each admitted request's paged extend plus one page
+    pages = -(-(adder.cur_rem_token_offset + new_tokens) // page)
+    if alloc.hold(pages):
+        return True
+    cache = adder.tree_cache
+    if cache is None or cache.evictable_size() <= 0:
+        return False
+    with adder._lock_node(req.last_node):  # its cached prefix is the request's own: not to be evicted for it
+        cache.evict(EvictParams(num_tokens=(pages - alloc.held_pages) * page))
+    return alloc.hold(pages)
+
+
+def holding_admission(original: Any) -> Any:
+    """``PrefillAdder.add_one_req`` that first holds the request's pages (see :func:`hold_prefill`); where they
+    cannot be had the request is not admitted (``NO_TOKEN``: it waits, as for a full pool)."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    def add_one_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.token_to_kv_pool_allocator, _kvcached_allocators()):
+            extend = self.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
+            if not hold_prefill(self, req, extend + self.page_size):
+                return AddReqResult.NO_TOKEN
+        return original(self, req, *args, **kwargs)
+
+    return add_one_req
+
+
+def holding_chunk(original: Any) -> Any:
+    """``PrefillAdder.add_chunked_req`` (the next chunk of a request SGLang must continue) that holds the chunk's
+    pages once SGLang has sized it from what is available: from then on no other engine can take them."""
+
+    def add_chunked_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, req, *args, **kwargs)
+        if isinstance(self.token_to_kv_pool_allocator, _kvcached_allocators()):
+            hold_prefill(self, req, 0)  # the chunk is in the adder's offset already
+        return result
+
+    return add_chunked_req
+
+
+def releasing_prefill_holds(original: Any) -> Any:
+    """``Scheduler._get_new_batch_prefill_raw`` that gives back what its admissions held and its batch did not
+    allocate (a pass that admitted nothing, or an error): no page stays held past the pass."""
+
+    def _get_new_batch_prefill_raw(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            alloc = getattr(self, "token_to_kv_pool_allocator", None)
+            if isinstance(alloc, _kvcached_allocators()):
+                alloc.release_held()
+
+    return _get_new_batch_prefill_raw
+
+
 def _register_attention_backend() -> None:
     """``--attention-backend kvcached`` (also ``--prefill-`` / ``--decode-attention-backend``): SGLang's
     argument choices and its backend registry. Plugins load before SGLang parses its arguments."""
@@ -254,6 +331,7 @@ def apply() -> str:
         _patch_radix_cache()
         _patch_leak_check()
         _patch_decode_check()
+        _patch_prefill_admission()
         _register_attention_backend()
         from kvcached.integration.common import shutdown_at_exit
         from kvcached.integration.sglang import interfaces
