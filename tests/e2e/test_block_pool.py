@@ -265,6 +265,33 @@ def test_idle_engine_gives_its_cache_back_without_a_step(make_pool) -> None:
     assert not pool._relief.is_alive()
 
 
+def test_relief_thread_ends_quietly_when_kvcached_closes_first(make_pool, caplog) -> None:
+    """At interpreter exit kvcached's own exit handler may close the KV cache before vLLM shuts its scheduler
+    down: the pool's thread then stops, without a warning about a device it can no longer read."""
+    import logging
+    import time
+
+    from kvcached.utils import get_kvcached_logger
+
+    pool = make_pool()
+    blocks = pool.get_new_blocks(BPP + 1)
+    _cache(pool, blocks)
+    pool.free_blocks(blocks)  # cached: the thread reads the device at every pass
+    assert pool._relief is not None and pool._relief.is_alive()
+    logger = get_kvcached_logger()
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            pool.kv.close()
+            deadline = time.monotonic() + 3
+            while pool._relief.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert not pool._relief.is_alive()
+        assert not [r for r in caplog.records if "cache-relief" in r.getMessage()], caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 def test_scheduler_calls_hold_the_pool_lock(make_pool) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 

@@ -40,7 +40,7 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached import config, mem_info
-from kvcached.errors import KVCachePoolExhausted
+from kvcached.errors import KVCachedStateError, KVCachePoolExhausted
 from kvcached.integration.common import PRESSURE_CHECK_S, device_tight_every
 from kvcached.integration.vllm import interfaces, kv_alloc, settings, tp
 from kvcached.utils import get_kvcached_logger
@@ -313,7 +313,11 @@ class KVCachedBlockPool(BlockPool):
         while not self._stop_relief.wait(2.5 * PRESSURE_CHECK_S):
             try:
                 self.relieve_pressure()
-            except Exception as exc:  # a closed pool, a driver error: say it once, keep the engine running
+            except KVCachedStateError:
+                # kvcached closed under the engine (its exit handler ran before the scheduler's shutdown): the
+                # memory is unmapped already, nothing is left to give back
+                return
+            except Exception as exc:  # a driver error: say it once, keep the engine running
                 if not warned:
                     logger.warning("kvcached: the cache-relief thread could not check the device: %s", exc)
                     warned = True
