@@ -190,17 +190,26 @@ def kernel_modules(root: str) -> tuple[ModuleType, ModuleType, ModuleType, Modul
     return (kvcached, *(importlib.import_module(f"kvcached.kernels.{m}") for m in names))
 
 
-def kv_cache(layout, num_blocks: int, layers: int, device: torch.device):
-    """Layer 0 (per-layer) or the last layer (contiguous) of a real layout, filled with random bf16."""
+def kv_cache(layout, num_blocks: int, layers: int, device: torch.device, dtype: torch.dtype = DT):
+    """Layer 0 (per-layer) or the last layer (contiguous) of a real layout, filled with random bf16 (an fp8
+    cache is left for the caller to fill: fp8 tensors have no random fill)."""
     from kvcached.layout import KVGeometry, KVSpec, allocate_plain, k_v_views
 
-    spec = KVSpec(layers, num_blocks, BLOCK, KV_HEADS, HEAD, DT)
+    spec = KVSpec(layers, num_blocks, BLOCK, KV_HEADS, HEAD, dtype)
     geom = KVGeometry(spec, layout, 2 << 20)
     bases = allocate_plain(geom, device)
     kc, vc = k_v_views(bases, geom, layers - 1)
-    kc.normal_()
-    vc.normal_()
+    if dtype == DT:
+        kc.normal_()
+        vc.normal_()
     return bases, kc, vc
+
+
+def fp8_quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in fp8 with one per-tensor scale (amax over the format's largest value), as vLLM's fp8 KV cache and
+    FA3's fp8 query: (values, float32 scale of shape [1]); ``values * scale`` is what the kernels read."""
+    scale = (x.abs().amax().float() / torch.finfo(dtype).max).clamp(min=1e-12).reshape(1)
+    return (x.float() / scale).to(dtype), scale
 
 
 def mla_cache(layout, num_blocks: int, layers: int, device: torch.device):
@@ -320,13 +329,26 @@ def vllm_peers() -> dict:
     return found
 
 
-def peer_call(name: str, peer, q, kc, vc, table, lens, qsl, max_q: int, max_k: int) -> Callable[[], torch.Tensor]:
-    """A call of a vllm_peers() peer with our arguments (causal, scale 1/sqrt(D)); returns the output."""
+def peer_call(name: str, peer, q, kc, vc, table, lens, qsl, max_q: int, max_k: int,
+              scales: dict | None = None) -> Callable[[], torch.Tensor]:
+    """A call of a vllm_peers() peer with our arguments (causal, scale 1/sqrt(D)); returns the output.
+
+    ``scales`` (an fp8 cache): {"k", "v"} per-tensor scales and, for FA3, whose fp8 path takes an fp8 query too
+    (vLLM quantizes the query for it), {"q8", "q"}: the fp8 query and its scale. Descales are per sequence and KV
+    head, as vLLM's backends pass them."""
+    def descale(key: str) -> torch.Tensor | None:
+        return scales[key].expand(len(lens), kc.shape[2]) if scales else None
+
     if name.startswith("vLLM"):
         out = torch.empty_like(q)
         return lambda: peer(
             q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, max_seqlen_q=max_q, seqused_k=lens, max_seqlen_k=max_k,
             softmax_scale=HEAD**-0.5, causal=True, window_size=(-1, -1), block_table=table, softcap=0,
-            q_descale=None, k_descale=None, v_descale=None) or out
+            q_descale=None, k_descale=descale("k"), v_descale=descale("v")) or out
+    if scales:
+        q8 = scales["q8"]
+        return lambda: peer(q8, kc, vc, max_seqlen_q=max_q, cu_seqlens_q=qsl, max_seqlen_k=max_k, seqused_k=lens,
+                            softmax_scale=HEAD**-0.5, causal=True, block_table=table, fa_version=3,
+                            q_descale=descale("q"), k_descale=descale("k"), v_descale=descale("v"))
     return lambda: peer(q, kc, vc, max_seqlen_q=max_q, cu_seqlens_q=qsl, max_seqlen_k=max_k, seqused_k=lens,
                         softmax_scale=HEAD**-0.5, causal=True, block_table=table, fa_version=3)

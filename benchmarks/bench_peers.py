@@ -17,6 +17,11 @@ FACTS.md): this script first runs itself with --sdpa-only --json PATH.
 Ours is called with max_query_len and min_query_len from the case's query lengths, as kvcached's vLLM
 backend calls it (FA3 gets max_seqlen_q likewise).
 
+The fp8 rows (decode 64 x 8k and prefill 1 x 8k, issue 38): the same random values in an e4m3 KV cache with one
+scale for K and one for V (amax over the format's largest value), read with those scales by ours and by vLLM's
+Triton attention (bf16 query); FA3's fp8 path also takes the query in fp8 (vLLM quantizes it for FA3), so its
+check is against a reference with that query. No dense SDPA row for them.
+
 Timing: each (case, impl) 3 times, each a fresh CUDA-graph capture timed by do_bench (median;
 eager do_bench where no graph can be made), a case's implementations in turn (``time_in_turn``: the GPU's
 clock falls at its power cap); the table gives the median of the 3 and their min-max (in the interpreter,
@@ -67,11 +72,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kvcached.kernels import paged_attention  # noqa: E402
+from kvcached.kernels.paged_attention import device_target, target_fp8  # noqa: E402
 from kvcached.kernels.reference import paged_attention_ref  # noqa: E402
 from kvcached.layout import Layout  # noqa: E402
 
 DEV = torch.device(ARGS.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 GPU = DEV.type == "cuda"
+# the fp8 KV dtype the dispatcher takes here (e4m3fn; e4m3fnuz on gfx942); None where the target has none
+FP8 = (target_fp8(device_target(DEV)) or [None])[0] if GPU else torch.float8_e4m3fn
 LAYOUTS = {Layout.PER_LAYER: "per-layer", Layout.CONTIGUOUS: "contiguous"}
 
 
@@ -82,12 +90,14 @@ class Case:
     q_lens: list[int]
     seq_lens: list[int]
     check_seqs: tuple[int, ...] = (0, 1)
+    fp8: bool = False  # the KV cache in fp8 (e4m3, per-tensor scales), issue 38's fp8 rows
 
     def work(self) -> tuple[float, str]:
         """Bytes (memory-bound kinds) or FLOPs (prefill) of one call, and the rate's unit."""
         if self.kind == "prefill":
             return sum(4 * Q_HEADS * HEAD * n * (n + 1) / 2 for n in self.q_lens), "TFLOP/s"
-        return (sum(self.seq_lens) * KV_HEADS * HEAD * 2 * 2 + sum(self.q_lens) * Q_HEADS * HEAD * 2 * 2), "TB/s"
+        kv_bytes = 1 if self.fp8 else 2
+        return (sum(self.seq_lens) * KV_HEADS * HEAD * 2 * kv_bytes + sum(self.q_lens) * Q_HEADS * HEAD * 2 * 2), "TB/s"
 
 
 def make_cases(kinds: list[str]) -> list[Case]:
@@ -112,17 +122,35 @@ def make_cases(kinds: list[str]) -> list[Case]:
     out.append(Case("mixed", f"mixed {chunks}x{new}(+{prior}) + {decodes}x{ctx}", [new] * chunks + [1] * decodes,
                     [prior + new] * chunks + [ctx] * decodes, (0, chunks)))
     out += [Case("prefill", f"prefill {b}x{n}", [n] * b, [n] * b, (0, b - 1) if b > 1 else (0,)) for b, n in prefills]
+    if FP8 is not None and not (GPU and quick):  # fp8 KV against FA3's fp8 path (and vLLM Triton's)
+        b, n = (64, ctx) if GPU else (2, ctx)
+        out.append(Case("decode", f"decode {b}x{n} fp8", [1] * b, [n] * b, fp8=True))
+        if GPU:
+            out.append(Case("prefill", "prefill 1x8192 fp8", [8192], [8192], (0,), fp8=True))
     return [c for c in out if c.kind in kinds]
 
 
 # -- data, reference, timing ------------------------------------------------------------------
 def inputs(case: Case):
-    """Query, block table, lengths and a per-layer cache; the same values in every process (seeded by name)."""
-    return bc.paged_batch(case.q_lens, case.seq_lens, zlib.crc32(case.name.encode()), DEV)
+    """Query, block table, lengths, a per-layer cache and its fp8 scales; the same values in every process (seeded
+    by name). An fp8 case's cache holds the bf16 values quantized with one scale each for K and V ({"k", "v"};
+    {} for a bf16 case)."""
+    q, table, lens, qsl, bases, kc, vc = bc.paged_batch(case.q_lens, case.seq_lens, zlib.crc32(case.name.encode()),
+                                                        DEV)
+    if not case.fp8:
+        return q, table, lens, qsl, bases, kc, vc, {}
+    bases8, k8, v8 = bc.kv_cache(Layout.PER_LAYER, table.numel(), 1, DEV, dtype=FP8)
+    scales = {}
+    for name, src, dst in (("k", kc, k8), ("v", vc, v8)):
+        values, scales[name] = bc.fp8_quantize(src, FP8)
+        dst[:len(values)].copy_(values)  # an fp8 page holds twice the blocks: the view may be longer
+    return q, table, lens, qsl, bases8, k8, v8, scales
 
 
-def reference(case: Case, q, kc, vc, table, qsl, w: int = 64):
-    """Float64 output of the check_seqs sequences (whole, or their first and last w query tokens) and its rows."""
+def reference(case: Case, q, kc, vc, table, qsl, w: int = 64, scales: dict | None = None):
+    """Float64 output of the check_seqs sequences (whole, or their first and last w query tokens) and its rows
+    (an fp8 cache read with ``scales``)."""
+    scales = scales or {}
     rows, want = [], []
     starts = qsl.tolist()
     for i in [i for i in case.check_seqs if i < len(case.seq_lens)]:
@@ -132,7 +160,7 @@ def reference(case: Case, q, kc, vc, table, qsl, w: int = 64):
             want.append(paged_attention_ref(q[a:b], kc, vc, table[i:i + 1],
                                             torch.tensor([seen], dtype=torch.int32, device=DEV),
                                             torch.tensor([0, b - a], dtype=torch.int32, device=DEV),
-                                            scale=HEAD**-0.5))
+                                            scale=HEAD**-0.5, k_scale=scales.get("k"), v_scale=scales.get("v")))
             rows.append(torch.arange(a, b))
     return torch.cat(rows).to(DEV), torch.cat(want)
 
@@ -178,7 +206,7 @@ def time_in_turn(calls: list[tuple[dict, object]]) -> list[dict]:
 def sdpa_case(case: Case) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, table, lens, qsl, bases, kc, vc = inputs(case)
+    q, table, lens, qsl, bases, kc, vc, _ = inputs(case)
     rows, want = reference(case, q, kc, vc, table, qsl)
     b, n = len(case.seq_lens), case.q_lens[0]
     k, v = bc.gathered_kv(kc, vc, table)
@@ -219,16 +247,23 @@ def sdpa_child(kinds: list[str]) -> dict:
 # -- ours and the vLLM peers (this process) ---------------------------------------------------------
 def run_case(case: Case, peers: dict) -> list[dict]:
     """Rows {impl, layout, t, lo, hi, check, note} of one case: ours on both layouts, then the peers."""
-    q, table, lens, qsl, bases, kc, vc = inputs(case)
-    rows, want = reference(case, q, kc, vc, table, qsl)
+    q, table, lens, qsl, bases, kc, vc, scales = inputs(case)
+    rows, want = reference(case, q, kc, vc, table, qsl, scales=scales)
     max_q, max_k, min_q = max(case.q_lens), max(case.seq_lens), min(case.q_lens)
     views = {Layout.PER_LAYER: (kc, vc, "")}
     out: list[dict] = []
+    peer_scales, want_fa3 = None, want
+    if scales:  # FA3's fp8 path takes an fp8 query too: its own reference reads the query it was given
+        q8, q_scale = bc.fp8_quantize(q, FP8)
+        peer_scales = scales | {"q8": q8, "q": q_scale}
+        want_fa3 = reference(case, (q8.float() * q_scale), kc, vc, table, qsl, scales=scales)[1]
     try:  # the same values in the last layer of a contiguous cache
-        layers = bc.layers_for(Layout.CONTIGUOUS, table.numel() * BLOCK * KV_HEADS * HEAD * 2 * 2, MEM_GB)
-        bases_c, kcc, vcc = bc.kv_cache(Layout.CONTIGUOUS, table.numel(), layers, DEV)
-        kcc.copy_(kc)
-        vcc.copy_(vc)
+        per_layer_bytes = table.numel() * BLOCK * KV_HEADS * HEAD * 2 * kc.element_size()
+        layers = bc.layers_for(Layout.CONTIGUOUS, per_layer_bytes, MEM_GB)
+        bases_c, kcc, vcc = bc.kv_cache(Layout.CONTIGUOUS, table.numel(), layers, DEV, dtype=kc.dtype)
+        n = min(len(kc), len(kcc))  # the views' lengths are whole pages of each layout
+        kcc[:n].copy_(kc[:n])
+        vcc[:n].copy_(vc[:n])
         views[Layout.CONTIGUOUS] = (kcc, vcc, f"{layers} layers, block stride {kcc.stride(0) * 2 // 1024} KiB")
     except Exception as exc:
         out.append({"impl": "ours", "layout": "contiguous", "check": "ERROR", "note": bc.err_text(exc)})
@@ -237,7 +272,8 @@ def run_case(case: Case, peers: dict) -> list[dict]:
     # then makes no decode launch
     def ours(k, v):
         return lambda: paged_attention(q, k, v, table, lens, qsl, max_query_len=max_q, max_seq_len=max_k,
-                                       scale=HEAD**-0.5, min_query_len=min_q)
+                                       scale=HEAD**-0.5, min_query_len=min_q, k_scale=scales.get("k"),
+                                       v_scale=scales.get("v"))
 
     # the peers on contiguous views come last: a fault there cannot cost the other rows
     order = [("ours", lay) for lay in views] + [(p, lay) for lay in views for p in peers]
@@ -252,8 +288,12 @@ def run_case(case: Case, peers: dict) -> list[dict]:
             continue
         k, v, note = views[layout]
         try:
-            fn = ours(k, v) if impl == "ours" else bc.peer_call(impl, peer, q, k, v, table, lens, qsl, max_q, max_k)
-            checked.append((i, row | check_call(fn, rows, want, f"{impl} {row['layout']} {case.name}"), fn, note))
+            fn = ours(k, v) if impl == "ours" else bc.peer_call(impl, peer, q, k, v, table, lens, qsl, max_q, max_k,
+                                                                 scales=peer_scales)
+            target = want_fa3 if impl == FA3 else want
+            if impl == FA3 and scales:
+                note = "; ".join(x for x in (note, "fp8 query (FA3's fp8 path), checked against it") if x)
+            checked.append((i, row | check_call(fn, rows, target, f"{impl} {row['layout']} {case.name}"), fn, note))
         except Exception as exc:  # a failing implementation is its row, not the end of the run
             placed.append((i, row | {"check": "ERROR", "note": bc.err_text(exc)}))
     try:
@@ -269,8 +309,8 @@ def run_case(case: Case, peers: dict) -> list[dict]:
 
 def sdpa_row(case: Case, sdpa: dict) -> dict:
     row = {"impl": "SDPA dense (peer)", "layout": "gathered"}
-    if case.kind not in SDPA_KINDS:
-        return row | {"layout": "-", "check": "-", "note": "dense SDPA only for the decode and prefill cases"}
+    if case.kind not in SDPA_KINDS or case.fp8:
+        return row | {"layout": "-", "check": "-", "note": "dense SDPA only for the bf16 decode and prefill cases"}
     if "error" in sdpa:
         return row | {"check": "ERROR", "note": sdpa["error"]}
     return row | sdpa.get(case.name, {"check": "ERROR", "note": "no result from the SDPA process"})
@@ -278,7 +318,8 @@ def sdpa_row(case: Case, sdpa: dict) -> dict:
 
 # -- tables --------------------------------------------------------------------------------------
 def tables(results: list[tuple[Case, list[dict]]]) -> tuple[bc.Table, bc.Table]:
-    tab = bc.Table(f"Paged attention and its peers: bf16, {Q_HEADS} query / {KV_HEADS} KV heads, head {HEAD}, block "
+    tab = bc.Table(f"Paged attention and its peers: bf16 (fp8 rows: the KV cache in e4m3 with per-tensor scales), "
+                f"{Q_HEADS} query / {KV_HEADS} KV heads, head {HEAD}, block "
                 f"{BLOCK}, causal", ["row", "impl", "layout", "time us (median of 3)", "spread us", "TB/s or TFLOP/s",
                                      "FA3 time / this time", "vLLM Triton time / this time", "check vs fp64", "note"])
     tab.notes.append("time: do_bench (median) of a CUDA-graph replay, 3 fresh captures, a case's implementations "
@@ -315,7 +356,7 @@ def main() -> int:
     if ARGS.sdpa_only:
         res = {}
         for case in cases:
-            if case.kind in SDPA_KINDS:
+            if case.kind in SDPA_KINDS and not case.fp8:
                 try:
                     res[case.name] = sdpa_case(case)
                 except Exception as exc:

@@ -27,5 +27,8 @@ def test_bench_peers_quick_on_cpu(tmp_path: Path) -> None:
     assert all(r[8].startswith("ok ") for r in ours), [r for r in ours if not r[8].startswith("ok ")]
     assert all(r[8].startswith("absent: ") for r in rows if r[1].startswith(("vLLM", "FA3")))
     sdpa = [r for r in rows if r[1].startswith("SDPA")]
-    assert all(r[8].startswith("ok ") for r in sdpa if r[0].startswith(("decode", "prefill"))), sdpa
+    assert all(r[8].startswith("ok ") for r in sdpa if r[0].startswith(("decode", "prefill"))
+               and not r[0].endswith(" fp8")), sdpa
+    fp8 = [r for r in ours if r[0].endswith(" fp8")]  # an fp8 KV cache, read with its scales
+    assert {r[2] for r in fp8} == {"per-layer", "contiguous"} and all(r[8].startswith("ok ") for r in fp8), fp8
     assert "correctness, ours: all checks passed" in text
