@@ -320,6 +320,38 @@ def test_prefill_admission_takes_its_pages_from_the_radix_cache(sgl, page: int, 
     assert not set(locs.tolist()) & set(req.prefix_indices.tolist())
 
 
+@pytest.mark.parametrize("page", [1, 16])
+def test_a_mixed_chunk_pass_keeps_the_decode_tokens_held(sgl, page: int):
+    """With ``--enable-mixed-chunk`` a prefill pass allocates the prefill, then the running requests' decode tokens,
+    which its admissions held: another engine filling the device in between cannot take them."""
+    from kvcached.integration.sglang import patches
+
+    (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)  # 512 tokens a kvcached page
+    kv = pool.kvcached_manager
+    other_pool = _other_engine(page)
+    n = 512 - page  # a running request filling the padding page's kvcached page: its next token needs a new one
+    running = _extend(alloc, [n])
+    got = {}
+
+    def raw(scheduler):
+        # the admitted prefill (a whole kvcached page of tokens, and SGLang's extra page) + 1 decode page: the
+        # prefill takes a kvcached page of its own, the two pages left over are on the next
+        assert alloc.hold(512 // page + 1 + 1)
+        got["prefill"] = _extend(alloc, [512])
+        _fill_device(other_pool, page)
+        seq = torch.tensor([n + 1])
+        got["decode"] = alloc.alloc(1) if page == 1 else alloc.alloc_decode(seq, seq, running[-1:])
+        return "batch", "running"
+
+    assert patches.releasing_prefill_holds(raw)(SimpleNamespace(token_to_kv_pool_allocator=alloc)) == \
+        ("batch", "running")
+    assert len(got["prefill"]) == 512 and got["decode"] is not None and len(got["decode"]) == 1
+    assert alloc.held_pages == 0 and kv.reserved_blocks == [] and not alloc.in_prefill_pass
+    # outside a pass an allocation gives back what a hold over-estimated at once, as before
+    assert alloc.hold(2)
+    assert _extend(alloc, [page]) is not None and alloc.held_pages == 0 and kv.reserved_blocks == []
+
+
 def test_a_prefill_pass_gives_back_what_it_held(sgl):
     """Pages held by a pass's admissions and not allocated by its batch (nothing formed, or an error) go back
     when the pass ends."""

@@ -53,6 +53,7 @@ class _KvcachedAllocatorMixin:
     def clear(self) -> None:
         self.kvcached.clear()  # the null block (page 0) stays; held pages go too
         self._held = 0  # pages held by hold() for the next allocation
+        self.in_prefill_pass = False  # inside the scheduler's prefill pass: its holds last until the pass ends
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.is_not_in_free_group = True
@@ -87,7 +88,12 @@ class _KvcachedAllocatorMixin:
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
         ids = self.kvcached.alloc(int(n))  # held pages first
-        self.release_held()  # what a hold over-estimated goes back at once
+        if self.in_prefill_pass and ids is not None:
+            # the pass may allocate again (the running requests' decode tokens of a mixed chunk): the rest stays
+            # held until the pass ends (patches.releasing_prefill_holds)
+            self._held = max(0, self._held - len(ids))
+        else:
+            self.release_held()  # what a hold over-estimated goes back at once
         if ids is None:
             return None
         return torch.tensor(ids, dtype=torch.int64, device=self.device)

@@ -267,16 +267,21 @@ def holding_chunk(original: Any) -> Any:
 
 
 def releasing_prefill_holds(original: Any) -> Any:
-    """``Scheduler._get_new_batch_prefill_raw`` that gives back what its admissions held and its batch did not
-    allocate (a pass that admitted nothing, or an error): no page stays held past the pass."""
+    """``Scheduler._get_new_batch_prefill_raw`` during which holds last from one allocation to the next (with
+    ``--enable-mixed-chunk`` the pass allocates the prefill, then the running requests' decode tokens, which the
+    admissions' holds count), and that gives back what it held and did not allocate (a pass that admitted
+    nothing, or an error): no page stays held past the pass."""
 
     def _get_new_batch_prefill_raw(self: Any, *args: Any, **kwargs: Any) -> Any:
+        alloc = getattr(self, "token_to_kv_pool_allocator", None)
+        if not isinstance(alloc, _kvcached_allocators()):
+            return original(self, *args, **kwargs)
+        alloc.in_prefill_pass = True
         try:
             return original(self, *args, **kwargs)
         finally:
-            alloc = getattr(self, "token_to_kv_pool_allocator", None)
-            if isinstance(alloc, _kvcached_allocators()):
-                alloc.release_held()
+            alloc.in_prefill_pass = False
+            alloc.release_held()
 
     return _get_new_batch_prefill_raw
 
