@@ -352,6 +352,40 @@ def test_a_mixed_chunk_pass_keeps_the_decode_tokens_held(sgl, page: int):
     assert _extend(alloc, [page]) is not None and alloc.held_pages == 0 and kv.reserved_blocks == []
 
 
+def test_an_idle_engine_asks_again_for_memory_it_was_refused(sgl):
+    """SGLang marks its running batch full when a waiting request does not fit, and only a running request's end
+    clears that; with kvcached memory also comes back from outside (another engine, a raised kvctl limit), so an
+    engine with nothing running must try its waiting requests again at the next pass (it stayed idle for good)."""
+    from kvcached.integration.sglang import patches
+
+    (_, _), (_, alloc) = _pools(16)
+    seen = []
+
+    def raw(scheduler, prefill_delayer_single_pass, running_batch):
+        seen.append(running_batch.batch_is_full)
+        running_batch.batch_is_full = True  # the pass found no room (NO_TOKEN)
+        return None, running_batch
+
+    def running(reqs):
+        return SimpleNamespace(reqs=reqs, batch_is_full=False, is_empty=lambda: not reqs)
+
+    passes = patches.releasing_prefill_holds(raw)
+    idle = SimpleNamespace(token_to_kv_pool_allocator=alloc, waiting_queue=["a waiting request"])
+    batch = running([])
+    for _ in range(3):
+        passes(idle, prefill_delayer_single_pass=None, running_batch=batch)
+    assert seen == [False, False, False]  # every pass of an idle engine looked at its queue
+    busy = running(["a running request"])
+    seen.clear()
+    for _ in range(2):
+        passes(SimpleNamespace(token_to_kv_pool_allocator=alloc, waiting_queue=["w"]), None, busy)
+    assert seen == [False, True]  # a running request's end clears it, as in SGLang: left as SGLang set it
+    seen.clear()
+    batch.batch_is_full = True
+    passes(SimpleNamespace(token_to_kv_pool_allocator=alloc, waiting_queue=[]), None, batch)
+    assert seen == [True]  # nothing waiting: nothing to ask for
+
+
 def test_a_prefill_pass_gives_back_what_it_held(sgl):
     """Pages held by a pass's admissions and not allocated by its batch (nothing formed, or an error) go back
     when the pass ends."""

@@ -27,7 +27,9 @@ Hook points (all in SGLang's installed source):
   admitted (what this engine's radix cache must give up for them is evicted then, not at the allocation), and
   ``Scheduler._get_new_batch_prefill_raw`` gives back what a pass held but did not allocate: between SGLang's
   admission and ``prepare_for_extend`` another engine cannot take them, which SGLang would meet with "Prefill
-  out of memory" (an error that stops the engine); a request whose pages cannot be had is not admitted (it waits);
+  out of memory" (an error that stops the engine); a request whose pages cannot be had is not admitted (it
+  waits), and an engine with nothing running asks again at every pass (SGLang would not: see
+  :func:`releasing_prefill_holds`);
 - ``attention_registry.ATTENTION_BACKENDS`` and ``server_args.ATTENTION_BACKEND_CHOICES``
   gain ``kvcached``: the Triton backend of :mod:`backend`, chosen with ``--attention-backend``.
 """
@@ -270,12 +272,19 @@ def releasing_prefill_holds(original: Any) -> Any:
     """``Scheduler._get_new_batch_prefill_raw`` during which holds last from one allocation to the next (with
     ``--enable-mixed-chunk`` the pass allocates the prefill, then the running requests' decode tokens, which the
     admissions' holds count), and that gives back what it held and did not allocate (a pass that admitted
-    nothing, or an error): no page stays held past the pass."""
+    nothing, or an error): no page stays held past the pass. An engine with nothing running tries its waiting
+    requests again at every pass, however SGLang marked its batch."""
 
     def _get_new_batch_prefill_raw(self: Any, *args: Any, **kwargs: Any) -> Any:
         alloc = getattr(self, "token_to_kv_pool_allocator", None)
         if not isinstance(alloc, _kvcached_allocators()):
             return original(self, *args, **kwargs)
+        running = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
+        if running is not None and running.batch_is_full and running.is_empty() and self.waiting_queue:
+            # SGLang marks the batch full when a request does not fit, and only a running request's end clears
+            # it: with nothing running that never comes, yet here memory comes back without this engine (another
+            # engine frees it, a kvctl limit is raised), so an idle engine asks again at every pass
+            running.batch_is_full = False
         alloc.in_prefill_pass = True
         try:
             return original(self, *args, **kwargs)
