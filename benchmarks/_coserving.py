@@ -181,6 +181,45 @@ def percentile(values: Sequence[float], q: float) -> float:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
+def kv_bytes_per_token(config: dict) -> int:
+    """K and V bytes one token takes in every layer of a model (bf16), from its HF config."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * 2
+
+
+def kv_demand(outcomes: Sequence[Outcome], per_token: dict[str, int], step: float = 0.1) -> list[tuple[float, dict]]:
+    """KV bytes the requests in flight need, per model, every ``step`` seconds: a request from its sending (waiting
+    included) to its end, its prompt and the output tokens it has so far (spread evenly between the first token and
+    the last). Models without a ``per_token`` figure and failed requests are left out."""
+    done = [o for o in outcomes if o.model in per_token and o.error is None and o.e2e_s is not None]
+    if not done:
+        return []
+    end = max(o.sent_s + o.e2e_s for o in done)
+    out = []
+    for i in range(int(end / step) + 1):
+        t = i * step
+        need = {m: 0 for m in per_token}
+        for o in done:
+            if not o.sent_s <= t <= o.sent_s + o.e2e_s:
+                continue
+            first = o.sent_s + (o.ttft_s if o.ttft_s is not None else o.e2e_s)
+            last = o.sent_s + o.e2e_s
+            if t < first:
+                tokens = 0.0
+            elif last <= first:
+                tokens = float(o.tokens)
+            else:
+                tokens = 1 + (o.tokens - 1) * (t - first) / (last - first)
+            need[o.model] += int((o.prompt_len + tokens) * per_token[o.model])
+        out.append((round(t, 6), need))
+    return out
+
+
+def demand_peak(curve: list[tuple[float, dict]]) -> tuple[float, dict] | None:
+    """The sample of ``kv_demand`` where all models together needed the most: (time, bytes per model)."""
+    return max(curve, key=lambda tm: sum(tm[1].values())) if curve else None
+
+
 def rate_grid(low: float, high: float, factor: float) -> list[float]:
     """Geometric grid low, low*factor, ... up to high (rounded to 0.01)."""
     if not (0 < low <= high) or factor <= 1:

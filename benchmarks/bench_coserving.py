@@ -50,7 +50,10 @@ from _coserving import (  # noqa: E402
     Request,
     attainment,
     build_trace,
+    demand_peak,
     fit_idle,
+    kv_bytes_per_token,
+    kv_demand,
     max_rate,
     percentile,
     prompt_ids,
@@ -535,6 +538,7 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
             totals = [sum(m.values()) for _, m in mem]
             one = max(max(m.values()) for _, m in mem)
             lines.append(f"| {rate:g} | {max(totals) / GiB:.2f} | {one / GiB:.2f} | {totals[0] / GiB:.2f} |")
+    lines += _demand_lines(results)
     lines += ["", "## Engines", ""]
     for policy, res in results.items():
         ready = {m: round(t, 1) for m, t in (res.get("engine_ready_s") or {}).items()}
@@ -551,6 +555,45 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
               f"(memory timeline: kvcached at {mem_rate} req/s, skewed trace)" if mem_rate else "", ""]
     out_md.write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def _demand_lines(results: dict[str, dict]) -> list[str]:
+    """The KV memory the requests in flight needed at their peak, per policy and rate (skewed trace), and what it
+    bounds: with each engine's demand growing in proportion to the rate, the static split stops when the hot
+    engine's demand reaches its slice and a perfectly elastic cache when all engines' demand reaches the budget,
+    so their highest rates stand at most in the ratio (budget / all) / (slice / hot) = 3 x the hot share."""
+    rows = []
+    for policy in ("static", "kvcached"):
+        res = results.get(policy)
+        if res is None:
+            continue
+        per_token = {m: kv_bytes_per_token(MODELS[m]) for m in res["models"] if m in MODELS}
+        if not per_token:
+            continue
+        for run in res["runs"]:
+            if not run["skew"]:
+                continue
+            peak = demand_peak(kv_demand(_outcomes(run), per_token))
+            if peak is None:
+                continue
+            t, need = peak
+            total = sum(need.values())
+            hot = max(need, key=need.get)
+            share = need[hot] / total if total else float("nan")
+            each = ", ".join(f"{m} {need[m] / GiB:.2f}" for m in need)
+            rows.append(f"| {policy} | {run['rate']:g} | {t:.1f} | {total / GiB:.2f} | {each} | {hot} | "
+                        f"{share:.2f} | {3 * share:.2f} |")
+    if not rows:
+        return []
+    slice_gib = next(iter(results.values()))["kv_bytes_each"] / GiB
+    return ["", "## KV memory the requests in flight needed (skewed trace, from the per-request data)", "",
+            "Prompt and output tokens so far x each model's KV bytes per token, waiting requests included, every "
+            f"100 ms; the row is the moment all engines together needed the most. Budget: {3 * slice_gib:.1f} "
+            f"GiB in all, {slice_gib:.1f} GiB a slice (static). Elastic bound: 3 x the hot "
+            "engine's share, the most a perfectly elastic cache could gain over the static split at that demand "
+            "(each engine's demand in proportion to the rate; it is derived from the run, not measured).", "",
+            "| policy | rate (req/s) | at (s) | all engines (GiB) | per engine (GiB) | hot | hot share | "
+            "elastic bound |", "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: |", *rows]
 
 
 def _plot_attainment(s: dict, png: Path) -> None:

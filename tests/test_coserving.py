@@ -17,7 +17,10 @@ from _coserving import (  # noqa: E402
     Outcome,
     attainment,
     build_trace,
+    demand_peak,
     fit_idle,
+    kv_bytes_per_token,
+    kv_demand,
     load_trace,
     max_rate,
     meets_slo,
@@ -108,6 +111,29 @@ def test_max_rate_needs_every_lower_rate() -> None:
     assert rate_grid(2, 10, 1.5) == [2, 3, 4.5, 6.75]
 
 
+def test_kv_demand_of_requests_in_flight() -> None:
+    """A request needs its prompt's KV from its sending (waiting included), then one token more at a time from its
+    first token to its last; failed requests and models without a figure are left out."""
+    outs = [Outcome(0, "a", 100, 11, 0.0, ttft_s=1.0, e2e_s=2.0, tokens=11),
+            Outcome(1, "b", 50, 1, 0.5, ttft_s=0.5, e2e_s=0.5, tokens=1),
+            Outcome(2, "a", 999, 5, 0.0, error="HTTP 500"),
+            Outcome(3, "unknown", 999, 5, 0.0, ttft_s=0.1, e2e_s=0.2, tokens=5)]
+    curve = dict(kv_demand(outs, {"a": 10, "b": 2}, step=0.5))
+    assert sorted(curve) == [0.0, 0.5, 1.0, 1.5, 2.0]
+    assert curve[0.0] == {"a": 1000, "b": 0}
+    assert curve[0.5] == {"a": 1000, "b": 100}  # b sent: its prompt, before its first token
+    assert curve[1.0] == {"a": 1010, "b": 102}  # a's first token; b's one token and its end
+    assert curve[1.5] == {"a": 1060, "b": 0}  # halfway to its 11th
+    assert curve[2.0] == {"a": 1110, "b": 0}
+    assert demand_peak(list(curve.items())) == (1.0, {"a": 1010, "b": 102})  # 1112 in all, 1110 at 2.0
+    assert kv_demand([], {"a": 1}) == [] and demand_peak([]) is None
+    # Llama-3-8B: 32 layers x 8 KV heads x 128 x K and V x 2 bytes; Llama-3.2-3B gives its head_dim
+    assert kv_bytes_per_token({"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+                               "num_key_value_heads": 8}) == 128 << 10
+    assert kv_bytes_per_token({"hidden_size": 3072, "num_attention_heads": 24, "head_dim": 128,
+                               "num_hidden_layers": 28, "num_key_value_heads": 8}) == 112 << 10
+
+
 def test_report_from_two_policies(tmp_path: Path) -> None:
     import bench_coserving as bc
 
@@ -130,3 +156,11 @@ def test_report_from_two_policies(tmp_path: Path) -> None:
     assert "static 2, kvcached 4 req/s; ratio **2.00**" in text
     assert (tmp_path / "rec.png").stat().st_size > 0 and (tmp_path / "rec_memory.png").stat().st_size > 0
     assert isinstance(bc.summarize({"static": static})["idle"]["m0"], IdleModel)
+    assert "KV memory the requests in flight needed" not in text  # no model of a known shape: no demand table
+    hot, cold = "llama-3.2-3b", "llama-3-8b"
+    outs = [Outcome(0, hot, 3000, 2, 0.0, ttft_s=1.0, e2e_s=2.0, tokens=2).as_dict(),
+            Outcome(1, cold, 1000, 2, 0.0, ttft_s=1.0, e2e_s=2.0, tokens=2).as_dict()]
+    known = {"kvcached": {**kv, "models": [cold, hot], "runs": [{"skew": 1.5, "rate": 3.0, "outcomes": outs}]}}
+    rows = [ln for ln in bc._demand_lines(known) if ln.startswith("| kvcached")]
+    share = 3002 * 112 / (3002 * 112 + 1002 * 128)  # the 3B's KV per token is 112 KiB, the 8B's 128 KiB
+    assert len(rows) == 1 and f"| {hot} | {share:.2f} | {3 * share:.2f} |" in rows[0], rows
