@@ -152,43 +152,6 @@ def test_mapped_memory_follows_a_burst(sgl, page: int, eventually):
     assert eventually(lambda: alloc.available_size() == 4096)
 
 
-@pytest.mark.parametrize("page", [1, 16])
-def test_decode_pages_are_held_from_sglangs_check_to_its_allocation(sgl, page: int):
-    """Another engine on the device takes every page it can between SGLang's decode check and the decode's
-    allocation: the step's pages were held at the check, so the allocation still gets them (unheld, it returned
-    None and SGLang raised "Decode out of memory"); what the hold over-estimated goes back."""
-    import sglang.srt.mem_cache.kv_cache_configurator as cfg
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-    (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)  # 512 tokens a kvcached page (2 MiB x 4 buffers)
-    other_pool = cfg.MHATokenToKVPool(6000, page_size=page, dtype=torch.float32, head_num=8, head_dim=128,
-                                      layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-                                      enable_alt_stream=False)
-    kv = pool.kvcached_manager
-    n = 512 - page  # with the padding page: the first kvcached page is full, the next token needs a new one
-    locs = _extend(alloc, [n])
-    assert kv.mapped_bytes == kv.page_group_bytes
-    need = page  # one new SGLang page for the one decoding request
-    batch = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=None,
-                            new_tokens_required_next_decode=lambda selected=None: need)
-    assert ScheduleBatch.check_decode_mem(batch)
-    assert len(kv.reserved_blocks) == 1
-    other = other_pool.kvcached_manager
-    for chunk in (512 // page, 1):  # the other engine maps every page the device has left
-        while other.alloc(chunk) is not None:
-            pass
-    seq = torch.tensor([n + 1])
-    step = alloc.alloc(1) if page == 1 else alloc.alloc_decode(seq, seq, locs[-1:])
-    assert step is not None and int(step[0]) // page == len(locs) // page + 1  # the held page
-    assert kv.reserved_blocks == []
-    assert kv.alloc(512 // page) is None  # unheld, a new kvcached page cannot be had: the race SGLang lost
-    # the same race at the check: SGLang's count still says a kvcached page's worth fits (the count does not see
-    # the other engine's pages on this host backend), the hold cannot map it: the check fails, SGLang retracts
-    need = 512
-    assert not ScheduleBatch.check_decode_mem(batch)
-    assert kv.reserved_blocks == []
-
-
 def _adder(monkeypatch: pytest.MonkeyPatch, cache, alloc, page: int):
     """SGLang's prefill admission (``PrefillAdder``) as the scheduler makes it for a pass, no running batch."""
     import sglang.srt.managers.schedule_policy as policy
@@ -249,6 +212,37 @@ def _other_engine(page: int):
 
     return cfg.MHATokenToKVPool(6000, page_size=page, dtype=torch.float32, head_num=8, head_dim=128,
                                 layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_decode_pages_are_held_from_sglangs_check_to_its_allocation(sgl, page: int):
+    """Another engine on the device takes every page it can between SGLang's decode check and the decode's
+    allocation: the step's pages were held at the check, so the allocation still gets them (unheld, it returned
+    None and SGLang raised "Decode out of memory"); what the hold over-estimated goes back."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)  # 512 tokens a kvcached page (2 MiB x 4 buffers)
+    other_pool = _other_engine(page)
+    kv = pool.kvcached_manager
+    n = 512 - page  # with the padding page: the first kvcached page is full, the next token needs a new one
+    locs = _extend(alloc, [n])
+    assert kv.mapped_bytes == kv.page_group_bytes
+    need = page  # one new SGLang page for the one decoding request
+    batch = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=None,
+                            new_tokens_required_next_decode=lambda selected=None: need)
+    assert ScheduleBatch.check_decode_mem(batch)
+    assert len(kv.reserved_blocks) == 1
+    _fill_device(other_pool, page)
+    seq = torch.tensor([n + 1])
+    step = alloc.alloc(1) if page == 1 else alloc.alloc_decode(seq, seq, locs[-1:])
+    assert step is not None and int(step[0]) // page == len(locs) // page + 1  # the held page
+    assert kv.reserved_blocks == []
+    assert kv.alloc(512 // page) is None  # unheld, a new kvcached page cannot be had: the race SGLang lost
+    # the same race at the check: SGLang's count still says a kvcached page's worth fits (the count does not see
+    # the other engine's pages on this host backend), the hold cannot map it: the check fails, SGLang retracts
+    need = 512
+    assert not ScheduleBatch.check_decode_mem(batch)
+    assert kv.reserved_blocks == []
 
 
 @pytest.mark.parametrize("page", [1, 16])
