@@ -117,10 +117,13 @@ case "$job" in
     fi
     PYTHONPATH=.venv-triton36 "$PY" -m kvcached.kernels.compile_check --targets gfx942
     echo "dev.sh test: ruff + compile check took $((SECONDS - t0)) s"; t0=$SECONDS
-    # kvcached's SGLang hook and attention backend against SGLang's own classes (skipped in the venv below)
-    sglang_env
-    .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/test_sglang_hook.py tests/test_sglang_backend.py
-    echo "dev.sh test: the SGLang tests took $((SECONDS - t0)) s"
+    # kvcached's SGLang hook and attention backend against SGLang's own classes (skipped in the venv below); with
+    # pytest arguments (a subset of the suite) only where they are asked for by name
+    if [ $# -eq 0 ] || [[ " $* " == *sglang* ]]; then
+      sglang_env
+      .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/test_sglang_hook.py tests/test_sglang_backend.py
+      echo "dev.sh test: the SGLang tests took $((SECONDS - t0)) s"
+    fi
     # Two workers (KVCACHED_TEST_JOBS=0: none); engine tests run side by side, each with its own host budget, and
     # share their engine baselines (tests/e2e/harness.py once_per_session); an idle worker takes queued tests from
     # the other (worksteal), so the last long engine tests do not run one after another in one worker.
