@@ -148,7 +148,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=5, help="runs of the prompt set in each configuration's process")
+    ap.add_argument("--rounds", type=int, default=3, help="processes of each configuration, in turn")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--batched-tokens", type=int, default=16384, help="vLLM's max_num_batched_tokens")
     ap.add_argument("--max-cached-tokens", type=int, default=None,
@@ -165,20 +166,24 @@ def main() -> None:
             "max_num_seqs": args.max_num_seqs, "batched_tokens": args.batched_tokens,
             "num_blocks": args.prompts * per_req + 64}
     picked = [CONFIGS[int(i)] for i in args.only.split(",")] if args.only else CONFIGS
-    rows = []
-    for name, env in picked:
-        run_env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", KVCACHED_HOST_MEM_LIMIT_MB=str(HOST_BUDGET_MB),
-                       KVCACHED_IPC_NAME=f"kvcached_bench_sched_{os.getpid()}", **env)
-        if args.max_cached_tokens is not None:
-            run_env["KVCACHED_MAX_CACHED_TOKENS"] = str(args.max_cached_tokens)
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=run_env,
-                              capture_output=True, text=True, timeout=1800)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if proc.returncode or line is None:
-            sys.exit(f"{name}: the scheduler run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        result = json.loads(line[len("RESULT "):])
-        rows.append((name, result))
-        print(name, json.dumps(result["runs"][-1]), flush=True)
+    rows: dict[str, dict] = {name: {"runs": [], "rounds": []} for name, _ in picked}
+    # rounds: the configurations in turn, again and again; this shared 2-core VM's speed drifts between processes
+    # by more than kvcached's cost, so a configuration is compared with vLLM's run of the same round
+    for _ in range(args.rounds):
+        for name, env in picked:
+            run_env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", KVCACHED_HOST_MEM_LIMIT_MB=str(HOST_BUDGET_MB),
+                           KVCACHED_IPC_NAME=f"kvcached_bench_sched_{os.getpid()}", **env)
+            if args.max_cached_tokens is not None:
+                run_env["KVCACHED_MAX_CACHED_TOKENS"] = str(args.max_cached_tokens)
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=run_env,
+                                  capture_output=True, text=True, timeout=1800)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode or line is None:
+                sys.exit(f"{name}: the scheduler run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            runs = json.loads(line[len("RESULT "):])["runs"]
+            rows[name]["runs"] += runs
+            rows[name]["rounds"].append(_ms(runs, "schedule_s") + _ms(runs, "update_s"))
+            print(name, f"{rows[name]['rounds'][-1]:.1f} ms", flush=True)
     write(args, rows)
 
 
@@ -186,7 +191,7 @@ def _ms(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs) * 1e3
 
 
-def write(args: argparse.Namespace, rows: list) -> None:
+def write(args: argparse.Namespace, rows: dict) -> None:
     import platform
 
     import torch
@@ -196,30 +201,33 @@ def write(args: argparse.Namespace, rows: list) -> None:
     env["gpu"] = "none: the scheduler's host time only (no model runs)"
     env["cpu"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     env["vllm"] = vllm.__version__
-    base = rows[0][1]["runs"]
-    base_total = _ms(base, "schedule_s") + _ms(base, "update_s")
-    table = Table("Host time per run (medians over the runs)",
+    base = rows.get(CONFIGS[0][0])
+    table = Table("Host time per run (medians over every run of every round)",
                   ["configuration", "steps", "schedule() ms", "update_from_output() ms", "host ms / run",
-                   "added to vLLM's", "first schedule() ms", "finishing updates ms", "median step ms"])
-    for name, res in rows:
+                   "added to vLLM's (median of rounds)", "first schedule() ms", "finishing updates ms",
+                   "median step ms"])
+    for name, res in rows.items():
         runs = res["runs"]
         total = _ms(runs, "schedule_s") + _ms(runs, "update_s")
+        added = (statistics.median(r - b for r, b in zip(res["rounds"], base["rounds"], strict=True))
+                 if base is not None else None)
         table.add(name, runs[-1]["steps"], _ms(runs, "schedule_s"), _ms(runs, "update_s"), total,
-                  f"{total - base_total:+.1f}", _ms(runs, "first_schedule_s"), _ms(runs, "finishing_update_s"),
-                  _ms(runs, "decode_step_s"))
-    table.notes.append("added to vLLM's: the host milliseconds a run that kvcached adds. first schedule(): the "
-                       "step that allocates the first prompts' blocks; finishing updates: the update_from_output() "
-                       "calls that finished requests and freed their blocks (with prefix caching, into the cache, "
-                       "which kvcached bounds at KVCACHED_MAX_CACHED_TOKENS); median step: schedule() + "
-                       "update_from_output() of one step.")
-    for name, res in rows:
-        per = ", ".join(f"{(r['schedule_s'] + r['update_s']) * 1e3:.1f}" for r in res["runs"])
-        table.notes.append(f"{name}, each run: {per} ms")
+                  f"{added:+.1f}" if added is not None else "-", _ms(runs, "first_schedule_s"),
+                  _ms(runs, "finishing_update_s"), _ms(runs, "decode_step_s"))
+    table.notes.append("added to vLLM's: the host milliseconds a run that kvcached adds, against vLLM's run of the "
+                       "same round. first schedule(): the step that allocates the first prompts' blocks; finishing "
+                       "updates: the update_from_output() calls that finished requests and freed their blocks (with "
+                       "prefix caching, into the cache, which kvcached bounds at KVCACHED_MAX_CACHED_TOKENS); median "
+                       "step: schedule() + update_from_output() of one step.")
+    for name, res in rows.items():
+        table.notes.append(f"{name}, each round (median of its runs): "
+                           + ", ".join(f"{t:.1f}" for t in res["rounds"]) + " ms")
     lines = [
         f"- workload: {args.prompts} fresh random prompts x {args.input_len} in + {args.output_len} out per run, "
         f"all added at once; Llama-3-8B's KV geometry ({LAYERS} layers, {KV_HEADS} KV heads of {HEAD}, bf16), "
         f"{BLOCK}-token blocks, prefix caching on, max_num_batched_tokens {args.batched_tokens}; "
-        f"{args.runs} runs after a warm-up of 32 prompts",
+        f"{args.rounds} rounds of the configurations in turn, each a process with {args.runs} runs after a warm-up "
+        "of 32 prompts",
         "",
     ]
     out = Path(args.out)

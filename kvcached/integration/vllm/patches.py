@@ -27,7 +27,7 @@ import math
 import threading
 from typing import Any
 
-from kvcached.integration.common import wrap_once
+from kvcached.integration.common import same_signature, wrap_once
 from kvcached.integration.vllm import settings
 from kvcached.utils import get_kvcached_logger
 
@@ -132,32 +132,26 @@ def _patch_scheduler_side() -> None:
 
     coord.BlockPool = KVCachedBlockPool
 
+    # Both run for every request in every step: wrappers with vLLM's own parameters (same_signature), not
+    # *args/**kwargs, whose re-packing cost more than the hooks themselves (benchmarks/bench_scheduler.py).
+    ours = {"_kvc_pool_type": KVCachedBlockPool}
     base = coord.KVCacheCoordinator
-    count = base.get_num_blocks_to_allocate
-
-    @functools.wraps(count)
-    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
-        need = count(self, *args, **kwargs)
-        if isinstance(self.block_pool, KVCachedBlockPool):
-            self.block_pool.expect(need)
-        return need
-
-    base.get_num_blocks_to_allocate = get_num_blocks_to_allocate
-
-    allocate = kvm.KVCacheManager.allocate_slots
-
-    @functools.wraps(allocate)
-    def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pool = self.block_pool
-        if not isinstance(pool, KVCachedBlockPool):
-            return allocate(self, *args, **kwargs)
-        pool.begin_allocation()
+    base.get_num_blocks_to_allocate = same_signature(base.get_num_blocks_to_allocate, """
+        _kvc_need = CALL
+        if isinstance(self.block_pool, _kvc_pool_type):
+            self.block_pool.expect(_kvc_need)
+        return _kvc_need
+    """, ours)
+    kvm.KVCacheManager.allocate_slots = same_signature(kvm.KVCacheManager.allocate_slots, """
+        _kvc_pool = self.block_pool
+        if not isinstance(_kvc_pool, _kvc_pool_type):
+            return CALL
+        _kvc_pool.begin_allocation()
         try:
-            return allocate(self, *args, **kwargs)
+            return CALL
         finally:
-            pool.end_allocation()
-
-    kvm.KVCacheManager.allocate_slots = allocate_slots
+            _kvc_pool.end_allocation()
+    """, ours)
 
     step = kvm.KVCacheManager.new_step_starts
 
