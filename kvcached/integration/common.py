@@ -106,11 +106,12 @@ def wrap_once(owner: Any, name: str, make: Callable[[Any], Any], marker: str = "
 
 def same_signature(original: Callable[..., Any], body: str, names: dict[str, Any]) -> Callable[..., Any]:
     """A wrapper of ``original`` with its exact parameters (and defaults), whose ``body`` calls it as ``CALL``: every
-    argument passed on by name as the original takes it. Forwarding through ``*args, **kwargs`` packs the arguments
-    into a new tuple and dict at every call: ~0.5 us with the eight keyword arguments vLLM's scheduler passes, against
-    ~0.04 us here, on hooks called for every request in every step (``benchmarks/bench_scheduler.py``). ``body``
-    may use ``self`` (the first parameter) and ``names``; its own names start with ``_kvc_`` so no parameter of any
-    version shadows them. Versions differ in parameters, so the source is made from the installed one's."""
+    argument passed on as the original takes it (by position; keyword-only ones by name). Forwarding through
+    ``*args, **kwargs`` packs the arguments into a new tuple and dict at every call: ~0.5 us with the eight keyword
+    arguments vLLM's scheduler passes, against ~0.04 us here, on hooks called for every request in every step
+    (``benchmarks/bench_scheduler.py``). ``body`` may use ``self`` (the first parameter) and ``names``; its own
+    names start with ``_kvc_`` so no parameter of any version shadows them. Versions differ in parameters, so the
+    source is made from the installed one's."""
     sig = inspect.signature(original)
     params, args = [], []
     star = False
