@@ -121,7 +121,8 @@ case "$job" in
     # pytest arguments (a subset of the suite) only where they are asked for by name
     if [ $# -eq 0 ] || [[ " $* " == *sglang* ]]; then
       sglang_env
-      .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/test_sglang_hook.py tests/test_sglang_backend.py
+      .venv-sglang/bin/python -m pytest -q -p no:cacheprovider -n "${KVCACHED_TEST_JOBS:-2}" tests/test_sglang_hook.py \
+        tests/test_sglang_backend.py
       echo "dev.sh test: the SGLang tests took $((SECONDS - t0)) s"
     fi
     # Two workers (KVCACHED_TEST_JOBS=0: none); engine tests run side by side, each with its own host budget, and
