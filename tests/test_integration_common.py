@@ -62,6 +62,34 @@ def test_a_body_can_skip_or_repeat_the_call() -> None:
     assert calls == ["go"] and done == ["go"]
 
 
-def test_only_methods_are_wrapped() -> None:
-    with pytest.raises(TypeError, match="first parameter is self"):
-        same_signature(lambda x: x, "return CALL", {})
+def test_what_it_cannot_mirror_it_forwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decorated method (its signature read through ``__wrapped__``) keeps its defaults; the instance is ``self``
+    in the body whatever the original calls it; without a readable signature, plain ``*args, **kwargs``."""
+    import functools
+
+    import kvcached.integration.common as common
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return inner
+
+    class Decorated(Engine):
+        @logged
+        def step(self, request, num_tokens: int, blocks=None, *, lookahead: int = 0, must_fit: bool = False):
+            return (request, num_tokens, blocks, lookahead, must_fit)
+
+    wrapped = same_signature(Decorated.step, "return CALL", {})
+    assert wrapped(Decorated(), "r", 5) == ("r", 5, None, 0, False)  # the defaults of the signature read
+    renamed = same_signature(lambda engine, n=2: (engine, n), "return (self, CALL)", {})
+    assert renamed("e") == ("e", ("e", 2)) and renamed("e", n=3) == ("e", ("e", 3))
+
+    def unreadable(fn):
+        raise ValueError("no signature found")
+
+    monkeypatch.setattr(common.inspect, "signature", unreadable)
+    forwarding = same_signature(Engine.step, "return CALL", {})
+    assert forwarding(Engine(), "r", 5, lookahead=1) == ("r", 5, None, 1, False)
+    monkeypatch.undo()
+    assert str(inspect.signature(forwarding, follow_wrapped=False)) == "(self, *args, **kwargs)"

@@ -109,44 +109,59 @@ def same_signature(original: Callable[..., Any], body: str, names: dict[str, Any
     argument passed on as the original takes it (by position; keyword-only ones by name). Forwarding through
     ``*args, **kwargs`` packs the arguments into a new tuple and dict at every call: ~0.5 us with the eight keyword
     arguments vLLM's scheduler passes, against ~0.04 us here, on hooks called for every request in every step
-    (``benchmarks/bench_scheduler.py``). ``body`` may use ``self`` (the first parameter) and ``names``; its own
-    names start with ``_kvc_`` so no parameter of any version shadows them. Versions differ in parameters, so the
-    source is made from the installed one's."""
-    sig = inspect.signature(original)
-    params, args = [], []
-    star = False
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_POSITIONAL:
-            params.append(f"*{p.name}")
-            args.append(f"*{p.name}")
-            star = True
-        elif p.kind is p.VAR_KEYWORD:
-            params.append(f"**{p.name}")
-            args.append(f"**{p.name}")
-        elif p.kind is p.KEYWORD_ONLY:
-            if not star:
-                params.append("*")
+    (``benchmarks/bench_scheduler.py``). ``body`` may use ``self`` (the first parameter, the instance) and
+    ``names``; its own names start with ``_kvc_`` so no parameter of any version shadows them. Versions differ in
+    parameters, so the source is made from the installed one's; where there is no signature to read, the wrapper
+    forwards ``*args, **kwargs``."""
+    try:
+        sig: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):  # nothing to mirror: the plain forwarding, still correct
+        sig = None
+    first = next(iter(sig.parameters.values()), None) if sig is not None else None
+    if first is None or first.kind not in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD):
+        params, args = ["self", "*args", "**kwargs"], ["self", "*args", "**kwargs"]
+        sig = None
+    else:
+        # the first parameter is the instance, passed by position: named self here, whatever its name there
+        params, args = ["self"], ["self"]
+        star = False
+        for p in list(sig.parameters.values())[1:]:
+            if p.kind is p.VAR_POSITIONAL:
+                params.append(f"*{p.name}")
+                args.append(f"*{p.name}")
                 star = True
-            params.append(p.name)
-            args.append(f"{p.name}={p.name}")
-        else:
-            params.append(p.name)
-            args.append(p.name)
-    if not params or params[0] != "self":
-        raise TypeError(f"same_signature wraps methods whose first parameter is self, not {original!r}")
-    positional_only = [p for p in sig.parameters.values() if p.kind is p.POSITIONAL_ONLY]
-    if positional_only:
-        params.insert(len(positional_only), "/")
+            elif p.kind is p.VAR_KEYWORD:
+                params.append(f"**{p.name}")
+                args.append(f"**{p.name}")
+            elif p.kind is p.KEYWORD_ONLY:
+                if not star:
+                    params.append("*")
+                    star = True
+                params.append(p.name)
+                args.append(f"{p.name}={p.name}")
+            else:
+                params.append(p.name)
+                args.append(p.name)
+        positional_only = [p for p in sig.parameters.values() if p.kind is p.POSITIONAL_ONLY]
+        if positional_only:
+            params.insert(len(positional_only), "/")
     lines = body.strip("\n").splitlines()
     indent = min(len(ln) - len(ln.lstrip()) for ln in lines if ln.strip())
     call = f"_kvc_original({', '.join(args)})"
-    src = f"def {original.__name__}({', '.join(params)}):\n" + "".join(
+    name = getattr(original, "__name__", "wrapper")
+    if not name.isidentifier():
+        name = "wrapper"
+    src = f"def {name}({', '.join(params)}):\n" + "".join(
         f"    {ln[indent:].replace('CALL', call)}\n" for ln in lines)
     scope = {**names, "_kvc_original": original}
-    exec(compile(src, f"<kvcached wrapper of {original.__qualname__}>", "exec"), scope)  # noqa: S102
-    fn = scope[original.__name__]
-    fn.__defaults__ = original.__defaults__
-    fn.__kwdefaults__ = original.__kwdefaults__
+    exec(compile(src, f"<kvcached wrapper of {getattr(original, '__qualname__', name)}>", "exec"), scope)  # noqa: S102
+    fn = scope[name]
+    if sig is not None:  # from the signature read, which a decorator's __wrapped__ may have given
+        ps = list(sig.parameters.values())
+        fn.__defaults__ = tuple(p.default for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                                and p.default is not p.empty) or None
+        fn.__kwdefaults__ = {p.name: p.default for p in ps if p.kind is p.KEYWORD_ONLY
+                             and p.default is not p.empty} or None
     return functools.update_wrapper(fn, original)
 
 
