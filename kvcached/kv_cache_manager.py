@@ -231,6 +231,11 @@ class KVCacheManager:
         with self._reserved_lock:
             return list(self._reserved)
 
+    @property
+    def num_reserved_blocks(self) -> int:
+        """How many blocks :meth:`try_to_reserve` holds (without copying their ids)."""
+        return len(self._reserved)
+
     def _get_num_alloced_blocks(self) -> int:
         """Blocks out of the pool: handed out, held by :meth:`try_to_reserve`, the null block."""
         return self.num_allocated_blocks()

@@ -93,3 +93,12 @@ def test_what_it_cannot_mirror_it_forwards(monkeypatch: pytest.MonkeyPatch) -> N
     assert forwarding(Engine(), "r", 5, lookahead=1) == ("r", 5, None, 1, False)
     monkeypatch.undo()
     assert str(inspect.signature(forwarding, follow_wrapped=False)) == "(self, *args, **kwargs)"
+
+
+def test_wrong_arguments_are_refused() -> None:
+    with pytest.raises(TypeError, match="wraps a method"):
+        same_signature(42, "return CALL", {})
+    with pytest.raises(ValueError, match="call the original as CALL"):
+        same_signature(Engine.step, "return None", {})
+    with pytest.raises(ValueError, match="call the original as CALL"):
+        same_signature(Engine.step, "   ", {})

@@ -113,6 +113,11 @@ def same_signature(original: Callable[..., Any], body: str, names: dict[str, Any
     ``names``; its own names start with ``_kvc_`` so no parameter of any version shadows them. Versions differ in
     parameters, so the source is made from the installed one's; where there is no signature to read, the wrapper
     forwards ``*args, **kwargs``."""
+    if not callable(original):
+        raise TypeError(f"same_signature wraps a method, got {original!r}.")
+    if "CALL" not in body or not body.strip():
+        raise ValueError("same_signature: the body must call the original as CALL (a body that never calls it "
+                         "replaces the method: write that as a function of its own).")
     try:
         sig: inspect.Signature | None = inspect.signature(original)
     except (TypeError, ValueError):  # nothing to mirror: the plain forwarding, still correct

@@ -41,7 +41,6 @@ class _KvcachedAllocatorMixin:
     device: Any
     is_not_in_free_group: bool
     free_group: list[torch.Tensor]
-    _held: int
 
     def _bind(self, kvcache: Any) -> None:
         self.kvcached = manager_of(kvcache)
@@ -52,7 +51,6 @@ class _KvcachedAllocatorMixin:
 
     def clear(self) -> None:
         self.kvcached.clear()  # the null block (page 0) stays; held pages go too
-        self._held = 0  # pages held by hold() for the next allocation
         self.in_prefill_pass = False  # inside the scheduler's prefill pass: its holds last until the pass ends
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -68,32 +66,26 @@ class _KvcachedAllocatorMixin:
     def hold(self, pages: int) -> bool:
         """Keep ``pages`` pages reserved in kvcached for the next allocation, so another engine cannot take them
         between SGLang's check and its allocation; False (nothing more held) if they cannot be had now."""
-        short = int(pages) - self._held
-        if short <= 0:
-            return True
-        if not self.kvcached.try_to_reserve(short):
-            return False
-        self._held += short
-        return True
+        short = int(pages) - self.held_pages
+        return short <= 0 or self.kvcached.try_to_reserve(short)
 
     @property
     def held_pages(self) -> int:
-        return self._held
+        """Pages :meth:`hold` keeps: kvcached's reserved blocks (this allocator is the only one reserving)."""
+        return self.kvcached.num_reserved_blocks
 
     def release_held(self) -> None:
         """Give back every page :meth:`hold` kept."""
-        if self._held:
-            self._held = 0
+        if self.held_pages:
             self.kvcached.free_reserved()
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
         ids = self.kvcached.alloc(int(n))  # held pages first
-        if self.in_prefill_pass and ids is not None:
-            # the pass may allocate again (the running requests' decode tokens of a mixed chunk): the rest stays
-            # held until the pass ends (patches.releasing_prefill_holds)
-            self._held = max(0, self._held - len(ids))
-        else:
-            self.release_held()  # what a hold over-estimated goes back at once
+        # inside the scheduler's prefill pass the rest stays held for its next allocation (the running requests'
+        # decode tokens of a mixed chunk) until the pass ends (patches.releasing_prefill_holds); else what a hold
+        # over-estimated goes back at once
+        if ids is None or not self.in_prefill_pass:
+            self.release_held()
         if ids is None:
             return None
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
