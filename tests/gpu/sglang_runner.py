@@ -3,10 +3,11 @@
     python tests/gpu/sglang_runner.py SPEC_JSON OUT_JSON
 
 SPEC: ``model``, ``page_size``, ``prompts``, ``max_tokens``, optional ``attention_backend`` (``triton``),
-``logprobs`` (also greedy-decode ``prompts`` with logprobs: ``decode``), ``burst`` (prompts), ``burst_tokens``,
-``limit_bytes`` (a kvctl limit set on this engine's segment before the burst), ``mem_fraction_static``,
-``ready_file`` / ``wait_file`` (written once the engine is up / waited for before the burst: two engines
-burst together).
+``logprobs`` (also greedy-decode ``prompts`` with logprobs: ``decode``; and the ``burst`` again after it, unlimited:
+``burst_decode``), ``burst`` (prompts), ``burst_tokens``, ``burst_logprobs`` (the burst itself with logprobs:
+``burst_decode``), ``limit_bytes`` (a kvctl limit set on this engine's segment before the burst),
+``mem_fraction_static``, ``ready_file`` / ``wait_file`` (written once the engine is up / waited for before the
+burst: two engines burst together).
 OUT: the greedy ``tokens`` of ``prompts`` and of ``burst``, with ``logprobs`` their ``decode`` steps as
 ``[token, logprob, lead over the runner-up]`` (tests/e2e/harness.check_decode's input), and (with kvcached)
 ``idle_used``, ``peak_used`` and ``after_used``: the bytes of KV pages in use on this engine's segment before,
@@ -87,7 +88,11 @@ def main(spec: dict, out_path: str) -> None:
         if spec.get("wait_file"):
             while not os.path.exists(spec["wait_file"]):
                 time.sleep(0.05)
-        out["burst_tokens"] = _tokens(engine, spec["burst"], spec["burst_tokens"])
+        if spec.get("burst_logprobs"):
+            out["burst_decode"] = _decode(engine, spec["burst"], spec["burst_tokens"])
+            out["burst_tokens"] = [[tok for tok, _, _ in rows] for rows in out["burst_decode"]]
+        else:
+            out["burst_tokens"] = _tokens(engine, spec["burst"], spec["burst_tokens"])
         done.set()
         sampler.join()
         out["peak_used"] = peak[0]
@@ -95,6 +100,8 @@ def main(spec: dict, out_path: str) -> None:
         while _used(name) > out["idle_used"] and time.time() < deadline:
             time.sleep(0.1)
         out["after_used"] = _used(name)
+        if spec.get("logprobs") and "burst_decode" not in out:  # the burst again, unlimited, with its logprobs
+            out["burst_decode"] = _decode(engine, spec["burst"], spec["burst_tokens"])
     engine.shutdown()
     with open(out_path, "w") as f:
         json.dump(out, f)

@@ -111,17 +111,20 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
             jobs[f"{layout}-{page}"] = ({**spec, "page_size": page}, _env(
                 True, f"sgl_{layout}_{page}_{os.getpid()}",
                 KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false"))
-        jobs[f"limit-{page}"] = ({**spec, "page_size": page, "limit_bytes": 24 * MiB},
+        jobs[f"limit-{page}"] = ({**spec, "page_size": page, "limit_bytes": 24 * MiB, "burst_logprobs": True},
                                  _env(True, f"sgl_limit_{page}_{os.getpid()}"))
     for layout, page in OURS:  # kvcached's Triton attention backend
         jobs[f"ours-{layout}-{page}"] = ({**spec, "page_size": page, "attention_backend": "kvcached", "logprobs": True},
                                          _env(True, f"sgl_ours_{layout}_{os.getpid()}",
                                               KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false"))
+    only = [t for t in os.environ.get("KVCACHED_SGLANG_GPU_ONLY", "").split(",") if t]  # tag prefixes to run
+    if only:
+        jobs = {tag: job for tag, job in jobs.items() if any(tag.startswith(o) for o in only)}
     return _run_all(jobs, tmp_path_factory.mktemp("engines"))
 
 
 def _result(runs: dict[str, dict | str], tag: str) -> dict:
-    r = runs[tag]
+    r = runs.get(tag, f"engine {tag} not run (KVCACHED_SGLANG_GPU_ONLY)")
     assert isinstance(r, dict), r
     return r
 
@@ -148,9 +151,13 @@ def test_kvcached_attention_backend_matches_sglang_triton(runs: dict, layout: st
 
 @pytest.mark.parametrize("page", [1, 16])
 def test_kvctl_limit_below_demand_makes_requests_wait(runs: dict, page: int) -> None:
-    """48 requests x ~210 tokens under a limit of a few pages: they wait (or are retracted), none fails."""
+    """48 requests x ~210 tokens under a limit of a few pages: they wait (or are retracted), none fails, and each
+    decodes as plain SGLang does, step by step. Under the limit SGLang runs fewer requests at once than plain SGLang,
+    so its batches (and CUDA graphs) differ and bf16 rounding differs: a request may part from plain SGLang's greedy
+    tokens only where plain SGLang's lead was a near-tie (KV read from a wrong or reused page parts anywhere)."""
     plain, r = _result(runs, f"plain-{page}"), _result(runs, f"limit-{page}")
-    assert r["burst_tokens"] == plain["burst_tokens"]
+    assert all(len(t) == BURST["burst_tokens"] for t in r["burst_tokens"]), "a request did not complete"
+    check_decode(plain["burst_decode"], r["burst_decode"], min_steps=len(BURST["burst"]) * BURST["burst_tokens"] // 4)
     assert r["peak_used"] <= 24 * MiB
 
 
