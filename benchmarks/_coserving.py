@@ -229,3 +229,25 @@ def rate_grid(low: float, high: float, factor: float) -> list[float]:
         out.append(round(r, 2))
         r *= factor
     return out
+
+
+def memory_bound_rates(models: Sequence[str], per_token: dict[str, int], slice_bytes: int, rates: Sequence[float],
+                       duration_s: float, skew: float, *, ttft_s: float, tpot_s: float, seed: int = 0,
+                       rows: Sequence[TraceRow] | None = None) -> tuple[float | None, float | None]:
+    """What the trace alone allows, before a run: the highest of ``rates`` (each lower one too) at which the static
+    split's hottest engine needs no more than its slice, and at which all engines together need no more than the
+    whole budget (``len(models)`` slices), every request held from its arrival for ``ttft_s + tpot_s x output``
+    (a fixed latency: no queueing, no preemption). The ratio of the two is the most an elastic cache can gain on
+    this trace at that latency; it is an estimate, not a measurement."""
+    static = elastic = None
+    static_ok = elastic_ok = True
+    for rate in sorted(rates):
+        reqs = build_trace(models, rate, duration_s, skew, seed=seed, rows=rows)
+        outs = [Outcome(r.index, r.model, r.prompt_len, r.output_len, r.at_s, ttft_s, ttft_s + tpot_s * r.output_len,
+                        r.output_len) for r in reqs]
+        curve = kv_demand(outs, per_token)
+        static_ok = static_ok and max(max(need.values()) for _, need in curve) <= slice_bytes
+        elastic_ok = elastic_ok and max(sum(need.values()) for _, need in curve) <= len(models) * slice_bytes
+        static = rate if static_ok else static
+        elastic = rate if elastic_ok else elastic
+    return static, elastic

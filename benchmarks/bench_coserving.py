@@ -55,6 +55,7 @@ from _coserving import (  # noqa: E402
     kv_bytes_per_token,
     kv_demand,
     max_rate,
+    memory_bound_rates,
     percentile,
     prompt_ids,
 )
@@ -653,6 +654,25 @@ def _plot_memory(results: dict[str, dict], png: Path, rate: float | None = None)
     return run["rate"]
 
 
+def estimate(skews: list[float], tpots: list[float], rates: list[float], kv_gib: float, duration: float) -> None:
+    """``memory_bound_rates`` for this benchmark's three models on the committed trace: what a set-up can show
+    before a GPU run is spent on it."""
+    models = list(MODELS)
+    per_token = {m: kv_bytes_per_token(MODELS[m]) for m in models}
+    print(f"Memory-bound rates on the trace (no GPU): {duration:g} s per rate, {kv_gib:g} GiB a slice, "
+          f"{3 * kv_gib:g} GiB shared, TTFT 0.15 s, rates {','.join(f'{r:g}' for r in rates)}; "
+          "an estimate, not a measurement.\n")
+    print("| Zipf skew | TPOT (ms) | static: highest rate | elastic: highest rate | ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for skew in skews:
+        for tpot in tpots:
+            st, el = memory_bound_rates(models, per_token, int(kv_gib * GiB), rates, duration, skew, ttft_s=0.15,
+                                        tpot_s=tpot / 1000)
+            ratio = f"{el / st:.2f}" if st and el else "-"
+            print(f"| {skew:g} | {tpot:g} | {st if st is not None else '-'} | {el if el is not None else '-'} | "
+                  f"{ratio} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -674,9 +694,18 @@ def main() -> None:
     p.add_argument("--md", default=str(HERE / "results" / "coserving_h200.md"))
     p.add_argument("--tag", default="NVIDIA H200")
     p.add_argument("--memory-rate", type=float, help="the skewed run whose memory timeline is plotted")
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    e = sub.add_parser("estimate", help="the memory-bound rates the trace allows per skew (no GPU, no engines)")
+    e.add_argument("--skews", type=floats, default=[0, 1.5, 2.0, 2.5, 3.0])
+    e.add_argument("--tpot-ms", type=floats, default=[15, 25], help="time per output token assumed (ms)")
+    e.add_argument("--rates", type=floats, default=[x / 4 for x in range(4, 41)])
+    e.add_argument("--kv-gib", type=float, default=2.0)
+    e.add_argument("--duration", type=float, default=30.0)
     args = ap.parse_args()
     if args.cmd == "run":
         run_policy(args)
+    elif args.cmd == "estimate":
+        estimate(args.skews, args.tpot_ms, args.rates, args.kv_gib, args.duration)
     else:
         report(args.dirs, Path(args.md), args.tag, args.memory_rate)
 

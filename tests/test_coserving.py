@@ -15,6 +15,7 @@ sys.path.insert(0, str(BENCH))
 from _coserving import (  # noqa: E402
     IdleModel,
     Outcome,
+    TraceRow,
     attainment,
     build_trace,
     demand_peak,
@@ -24,6 +25,7 @@ from _coserving import (  # noqa: E402
     load_trace,
     max_rate,
     meets_slo,
+    memory_bound_rates,
     prompt_ids,
     rate_grid,
     zipf_weights,
@@ -109,6 +111,21 @@ def test_max_rate_needs_every_lower_rate() -> None:
     assert max_rate({}) is None
     assert max_rate({1: float("nan")}) is None
     assert rate_grid(2, 10, 1.5) == [2, 3, 4.5, 6.75]
+
+
+def test_memory_bound_rates_of_one_hot_model_at_a_time() -> None:
+    """Evenly spaced requests held 0.95 s each, all to the hot model (skew 50): at rate r about r requests of 1010
+    tokens are in flight, on one engine. A slice of 1.2 requests' KV holds rate 1, not 2; three slices shared hold
+    rate 3, not 4: the elastic cache's 3x, as many slices as models."""
+    rows = [TraceRow(float(i), 1000, 10) for i in range(400)]
+    per_token = dict.fromkeys(MODELS, 1)
+    static, elastic = memory_bound_rates(MODELS, per_token, 1212, [1, 2, 3, 4], 40.0, 50.0, ttft_s=0.05,
+                                         tpot_s=0.09, rows=rows)
+    assert (static, elastic) == (1, 3)
+    # uniform popularity: each engine gets a third of the load, and a slice holds what the budget holds
+    static, elastic = memory_bound_rates(MODELS, per_token, 1212, [1, 2, 3, 4], 40.0, 0.0, ttft_s=0.05, tpot_s=0.09,
+                                         rows=rows)
+    assert elastic == 3 and static is not None and static >= 1
 
 
 def test_kv_demand_of_requests_in_flight() -> None:
