@@ -2,8 +2,9 @@
 requests wait, and an SGLang and a vLLM engine sharing one device.
 
 Needs a GPU and SGLang (on our H200: ``benchmarks/gpu_session.sh sglang`` with the SGLang bundle, docs/sglang.md);
-skipped otherwise. On the H200 so far (2026-12-04) the contiguous-layout token tests passed, the rest not yet run
-(``benchmarks/results/sglang_gpu_tests_h200.log``; ~80 s an engine). Every engine runs in its own process
+skipped otherwise. On an H100 every case has passed (``benchmarks/results/sglang_gpu_tests_h100.log``, the limit
+cases in ``sglang_gpu_tests_h100_limit.log``); on the H200 the contiguous-layout token tests (``..._h200.log``);
+~80 s an engine. Every engine runs in its own process
 (``sglang_runner.py``) on a 4-layer Llama made here (no downloads), SGLang's Triton attention backend.
 """
 
