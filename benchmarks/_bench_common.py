@@ -6,6 +6,7 @@ import argparse
 import datetime
 import gc
 import importlib
+import inspect
 import os
 import re
 import shlex
@@ -341,10 +342,17 @@ def peer_call(name: str, peer, q, kc, vc, table, lens, qsl, max_q: int, max_k: i
 
     if name.startswith("vLLM"):
         out = torch.empty_like(q)
+        extra = {}
+        if scales and "kv_quant_mode" in inspect.signature(peer).parameters:
+            # releases with kv_quant_mode apply the per-tensor descales only in its FP8_PER_TENSOR mode (1); in
+            # its default they cast the fp8 values unscaled
+            from vllm.v1.kv_cache_interface import KVQuantMode
+
+            extra["kv_quant_mode"] = KVQuantMode.FP8_PER_TENSOR
         return lambda: peer(
             q=q, k=kc, v=vc, out=out, cu_seqlens_q=qsl, max_seqlen_q=max_q, seqused_k=lens, max_seqlen_k=max_k,
             softmax_scale=HEAD**-0.5, causal=True, window_size=(-1, -1), block_table=table, softcap=0,
-            q_descale=None, k_descale=descale("k"), v_descale=descale("v")) or out
+            q_descale=None, k_descale=descale("k"), v_descale=descale("v"), **extra) or out
     if scales:
         q8 = scales["q8"]
         return lambda: peer(q8, kc, vc, max_seqlen_q=max_q, cu_seqlens_q=qsl, max_seqlen_k=max_k, seqused_k=lens,
