@@ -239,6 +239,10 @@ def memory_bound_rates(models: Sequence[str], per_token: dict[str, int], slice_b
     whole budget (``len(models)`` slices), every request held from its arrival for ``ttft_s + tpot_s x output``
     (a fixed latency: no queueing, no preemption). The ratio of the two is the most an elastic cache can gain on
     this trace at that latency; it is an estimate, not a measurement."""
+    missing = [m for m in models if m not in per_token]
+    if missing or slice_bytes <= 0 or ttft_s < 0 or tpot_s < 0:
+        raise ValueError(f"memory_bound_rates: every model needs its KV bytes per token (missing {missing}), the "
+                         f"slice must be > 0 bytes and the latencies >= 0 (got {slice_bytes}, {ttft_s}, {tpot_s}).")
     static = elastic = None
     static_ok = elastic_ok = True
     for rate in sorted(rates):

@@ -122,10 +122,15 @@ def test_memory_bound_rates_of_one_hot_model_at_a_time() -> None:
     static, elastic = memory_bound_rates(MODELS, per_token, 1212, [1, 2, 3, 4], 40.0, 50.0, ttft_s=0.05,
                                          tpot_s=0.09, rows=rows)
     assert (static, elastic) == (1, 3)
-    # uniform popularity: each engine gets a third of the load, and a slice holds what the budget holds
-    static, elastic = memory_bound_rates(MODELS, per_token, 1212, [1, 2, 3, 4], 40.0, 0.0, ttft_s=0.05, tpot_s=0.09,
-                                         rows=rows)
-    assert elastic == 3 and static is not None and static >= 1
+    # a slice three times as large holds rate 3 alone; one model alone gains nothing from sharing
+    assert memory_bound_rates(MODELS, per_token, 3636, [1, 2, 3, 4], 40.0, 50.0, ttft_s=0.05, tpot_s=0.09,
+                              rows=rows)[0] == 3
+    assert memory_bound_rates(["m0"], per_token, 3636, [1, 2, 3, 4], 40.0, 0.0, ttft_s=0.05, tpot_s=0.09,
+                              rows=rows) == (3, 3)
+    with pytest.raises(ValueError, match="missing \\['m2'\\]"):
+        memory_bound_rates(MODELS, {"m0": 1, "m1": 1}, 1212, [1], 40.0, 0.0, ttft_s=0.05, tpot_s=0.09, rows=rows)
+    with pytest.raises(ValueError, match="slice must be > 0"):
+        memory_bound_rates(MODELS, per_token, 0, [1], 40.0, 0.0, ttft_s=0.05, tpot_s=0.09, rows=rows)
 
 
 def test_kv_demand_of_requests_in_flight() -> None:
