@@ -251,7 +251,7 @@ def memory_bound_rates(models: Sequence[str], per_token: dict[str, int], slice_b
                         r.output_len) for r in reqs]
         curve = kv_demand(outs, per_token)
         static_ok = static_ok and max(max(need.values()) for _, need in curve) <= slice_bytes
-        elastic_ok = elastic_ok and max(sum(need.values()) for _, need in curve) <= len(models) * slice_bytes
+        elastic_ok = elastic_ok and sum(demand_peak(curve)[1].values()) <= len(models) * slice_bytes
         static = rate if static_ok else static
         elastic = rate if elastic_ok else elastic
     return static, elastic

@@ -659,14 +659,15 @@ def estimate(skews: list[float], tpots: list[float], rates: list[float], kv_gib:
     before a GPU run is spent on it."""
     models = list(MODELS)
     per_token = {m: kv_bytes_per_token(MODELS[m]) for m in models}
+    ttft_s = 0.15
     print(f"Memory-bound rates on the trace (no GPU): {duration:g} s per rate, {kv_gib:g} GiB a slice, "
-          f"{3 * kv_gib:g} GiB shared, TTFT 0.15 s, rates {','.join(f'{r:g}' for r in rates)}; "
+          f"{len(models) * kv_gib:g} GiB shared, TTFT {ttft_s:g} s, rates {','.join(f'{r:g}' for r in rates)}; "
           "an estimate, not a measurement.\n")
     print("| Zipf skew | TPOT (ms) | static: highest rate | elastic: highest rate | ratio |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for skew in skews:
         for tpot in tpots:
-            st, el = memory_bound_rates(models, per_token, int(kv_gib * GiB), rates, duration, skew, ttft_s=0.15,
+            st, el = memory_bound_rates(models, per_token, int(kv_gib * GiB), rates, duration, skew, ttft_s=ttft_s,
                                         tpot_s=tpot / 1000)
             ratio = f"{el / st:.2f}" if st and el else "-"
             print(f"| {skew:g} | {tpot:g} | {st if st is not None else '-'} | {el if el is not None else '-'} | "
@@ -676,6 +677,10 @@ def estimate(skews: list[float], tpots: list[float], rates: list[float], kv_gib:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def floats(text: str) -> list[float]:  # argparse names it in its error: "invalid floats value"
+        return [float(x) for x in text.split(",")]
+
     r = sub.add_parser("run")
     r.add_argument("--policy", choices=("static", "kvcached"), required=True)
     r.add_argument("--out", required=True)
@@ -684,7 +689,7 @@ def main() -> None:
     r.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     r.add_argument("--drain", type=float, default=30.0, help="seconds a run waits after its last arrival")
     r.add_argument("--skew", type=float, default=1.5, help="Zipf exponent of the skewed trace")
-    r.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[3, 4.5, 6.75, 10, 15])
+    r.add_argument("--rates", type=floats, default=[3, 4.5, 6.75, 10, 15])
     r.add_argument("--uniform-rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[6.75, 10])
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--budget-s", type=float, default=480, help="start no new rate after this many seconds")
@@ -694,7 +699,6 @@ def main() -> None:
     p.add_argument("--md", default=str(HERE / "results" / "coserving_h200.md"))
     p.add_argument("--tag", default="NVIDIA H200")
     p.add_argument("--memory-rate", type=float, help="the skewed run whose memory timeline is plotted")
-    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     e = sub.add_parser("estimate", help="the memory-bound rates the trace allows per skew (no GPU, no engines)")
     e.add_argument("--skews", type=floats, default=[0, 1.5, 2.0, 2.5, 3.0])
     e.add_argument("--tpot-ms", type=floats, default=[15, 25], help="time per output token assumed (ms)")
