@@ -161,6 +161,27 @@ def attainment(outcomes: Sequence[Outcome], idle: dict[str, IdleModel], k: float
     return sum(meets_slo(o, idle[o.model], k) for o in outcomes) / len(outcomes)
 
 
+def misses(outcomes: Sequence[Outcome], idle: dict[str, IdleModel], k: float) -> dict[int, str]:
+    """Each request that missed its SLO at ``k``, by trace index: what it missed ("error", "ttft", "tpot", "both")."""
+    out: dict[int, str] = {}
+    for o in outcomes:
+        if o.error is not None or o.ttft_s is None:
+            out[o.index] = "error"
+            continue
+        late = o.ttft_s > k * idle[o.model].ttft(o.prompt_len)
+        slow = o.tpot_s is not None and o.tpot_s > k * idle[o.model].tpot
+        if late or slow:
+            out[o.index] = "both" if late and slow else "ttft" if late else "tpot"
+    return out
+
+
+def shared_misses(elastic: dict[int, str], static: dict[int, str]) -> tuple[int, int]:
+    """Of the elastic policy's misses (from :func:`misses`, same trace and rate), how many the static split missed
+    too, and how many it met: the misses both have come from the trace on a shared GPU, not from either cache."""
+    both = sum(1 for i in elastic if i in static)
+    return both, len(elastic) - both
+
+
 def max_rate(points: dict[float, float], target: float = 0.99) -> float | None:
     """Highest rate whose attainment, and every lower rate's, is >= target; None if the lowest misses."""
     best = None

@@ -41,7 +41,7 @@ fi
 
 if [[ -d .serve-wheels ]]; then
   log "vLLM HTTP server wheels"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/serve-site .serve-wheels/*.whl \
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/serve-site .serve-wheels/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/serve-site
   python3 -c "import vllm.entrypoints.openai.api_server" 2>&1 | tail -3 | tee -a "$OUT/session.log"
 fi
@@ -97,7 +97,11 @@ if [[ " ${what//,/ } " == *" coserving "* ]]; then
       --out "$OUT/coserving" ${COSERVING_ARGS:-} 2>&1 | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^WARNING" \
       | tee "$OUT/coserving_$policy.log" | tail -20
   done
-  python3 benchmarks/bench_coserving.py report "$OUT/coserving" --md "$OUT/coserving/coserving_h200.md" 2>&1 | tail -40
+  # the record named after the GPU that ran it (coserving_h200.md, coserving_h100_80gb_hbm3.md)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  slug=$(echo "$gpu" | tr '[:upper:]' '[:lower:]' | sed -e 's/^nvidia //' -e 's/[^a-z0-9]\+/_/g' -e 's/_$//')
+  python3 benchmarks/bench_coserving.py report "$OUT/coserving" --md "$OUT/coserving/coserving_${slug:-gpu}.md" \
+    --tag "$gpu" 2>&1 | tail -40
 fi
 if has serving; then
   log "bench_serving"

@@ -26,8 +26,10 @@ from _coserving import (  # noqa: E402
     max_rate,
     meets_slo,
     memory_bound_rates,
+    misses,
     prompt_ids,
     rate_grid,
+    shared_misses,
     zipf_weights,
 )
 
@@ -105,6 +107,22 @@ def test_idle_fit_and_slo() -> None:
         fit_idle([(1, 0.1, 0.01)])
 
 
+def test_misses_name_what_was_late_and_which_both_policies_missed() -> None:
+    idle = {"m0": IdleModel(0.01, 0.0, 0.01)}  # SLO at k = 5: TTFT <= 50 ms, TPOT <= 50 ms
+
+    def out(i: int, ttft: float | None, tpot: float, error: str | None = None) -> Outcome:
+        return Outcome(i, "m0", 128, 11, 0.0, ttft_s=ttft, e2e_s=None if ttft is None else ttft + 10 * tpot,
+                       tokens=11, error=error)
+
+    elastic = [out(0, 0.01, 0.01), out(1, 0.2, 0.01), out(2, 0.01, 0.2), out(3, 0.2, 0.2), out(4, None, 0, "HTTP 500")]
+    assert misses(elastic, idle, 5.0) == {1: "ttft", 2: "tpot", 3: "both", 4: "error"}
+    assert misses(elastic, idle, 100.0) == {4: "error"}
+    static = [out(0, 0.01, 0.01), out(1, 0.3, 0.01), out(2, 0.01, 0.01), out(3, 0.01, 0.3), out(4, 0.01, 0.01)]
+    # static also missed requests 1 (late) and 3 (slow); it met 2 and 4
+    assert shared_misses(misses(elastic, idle, 5.0), misses(static, idle, 5.0)) == (2, 2)
+    assert shared_misses({}, misses(static, idle, 5.0)) == (0, 0)
+
+
 def test_max_rate_needs_every_lower_rate() -> None:
     assert max_rate({1: 1.0, 2: 0.995, 4: 0.98, 8: 1.0}) == 2  # 8 meets it again, after a miss: not counted
     assert max_rate({1: 0.9, 2: 1.0}) is None
@@ -176,6 +194,10 @@ def test_report_from_two_policies(tmp_path: Path) -> None:
     bc.report([str(tmp_path)], md, "test")
     text = md.read_text()
     assert "static 2, kvcached 4 req/s; ratio **2.00**" in text
+    assert "- skewed, k=10, a lower target: highest rate at >= 95 % attainment: static 2, kvcached 4 req/s; " \
+        "ratio 2.00" in text
+    # at rate 4 static was late on all 20 requests (5 s TTFT), kvcached on none
+    assert "| skewed | 4 | 20 | 20 (20/0/0/0) | 0 (0/0/0/0) | 0 | 0 |" in text
     assert (tmp_path / "rec.png").stat().st_size > 0 and (tmp_path / "rec_memory.png").stat().st_size > 0
     assert isinstance(bc.summarize({"static": static})["idle"]["m0"], IdleModel)
     assert "KV memory the requests in flight needed" not in text  # no model of a known shape: no demand table
