@@ -33,6 +33,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -187,6 +188,53 @@ def start_ballast(leave: int) -> tuple[subprocess.Popen, int]:
         proc.kill()
         raise RuntimeError(f"ballast process failed: {line!r}")
     return proc, int(m.group(1))
+
+
+class Mps:
+    """CUDA MPS for one run (``--mps``): one control daemon whose clients are every process started after
+    :meth:`start` (engines, ballast), so the three engines' kernels run side by side instead of time-slicing the
+    GPU. Its pipe and log directories are the run's own; :meth:`stop` ends the daemon and its server."""
+
+    CONTROL = "nvidia-cuda-mps-control"
+
+    def __init__(self, work: Path) -> None:
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(work / "mps_pipe"), "CUDA_MPS_LOG_DIRECTORY": str(work / "mps_log")}
+        self.exe: str | None = None
+
+    def _ask(self, command: str) -> str:
+        assert self.exe is not None
+        r = subprocess.run([self.exe], input=command + "\n", capture_output=True, text=True, timeout=30,
+                           env={**os.environ, **self.env})
+        if r.returncode:
+            raise RuntimeError(f"{self.CONTROL} '{command}' exited {r.returncode}: {(r.stderr or r.stdout).strip()}")
+        return r.stdout
+
+    def start(self) -> None:
+        self.exe = shutil.which(self.CONTROL)
+        if self.exe is None:
+            raise SystemExit(f"--mps: {self.CONTROL} is not on PATH (it ships with the NVIDIA driver's utilities); "
+                             "run without --mps.")
+        for d in self.env.values():
+            Path(d).mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([self.exe, "-d"], capture_output=True, text=True, timeout=30, env={**os.environ, **self.env})
+        if r.returncode:
+            raise SystemExit(f"--mps: '{self.CONTROL} -d' exited {r.returncode}: {(r.stderr or r.stdout).strip()} "
+                             "(MPS needs the GPU in the Default or Exclusive_Process compute mode).")
+        os.environ.update(self.env)  # before any client starts: they find the daemon through these
+
+    def servers(self) -> list[str]:
+        """The MPS servers running (one once a client has connected)."""
+        return self._ask("get_server_list").split()
+
+    def stop(self) -> None:
+        if self.exe is None:
+            return
+        try:
+            self._ask("quit")
+        finally:
+            for k in self.env:
+                os.environ.pop(k, None)
+            self.exe = None
 
 
 def segment_used(names: dict[str, str]) -> dict[str, int]:
@@ -362,13 +410,21 @@ def run_policy(args: argparse.Namespace) -> None:
     segments = {m.name: m.env["KVCACHED_IPC_NAME"] for m in config.models if "KVCACHED_IPC_NAME" in m.env}
     result: dict = {"policy": args.policy, "kv_bytes_each": kv_bytes, "device_total": total, "device_free_at_start":
                     free0, "models": list(paths), "ks": list(KS), "duration_s": args.duration, "seed": args.seed,
-                    "router_config": raw, "runs": [], "meta": meta(sys.argv[1:])}
+                    "router_config": raw, "runs": [], "meta": meta(sys.argv[1:]), "mps": bool(args.mps)}
     router = ballast = None
+    mps = Mps(work) if args.mps else None
     t_start = time.monotonic()
     try:
+        if mps:
+            mps.start()
         engines.start()
         result["engine_ready_s"] = engines.wait_ready()
         print(f"[{args.policy}] engines ready: {result['engine_ready_s']}", flush=True)
+        if mps:
+            result["mps_servers"] = mps.servers()
+            if not result["mps_servers"]:
+                raise SystemExit("--mps: the engines are up but no MPS server runs: they did not connect to the "
+                                 "daemon (CUDA_MPS_PIPE_DIRECTORY).")
         router = subprocess.Popen([sys.executable, "-m", "kvcached.router", str(cfg_file), "--no-launch"],
                                   stdout=open(out_dir / f"logs_{args.policy}" / "router.log", "wb"),
                                   stderr=subprocess.STDOUT, cwd=REPO)
@@ -428,6 +484,8 @@ def run_policy(args: argparse.Namespace) -> None:
             ballast.kill()
         result["engine_exit"] = engines.stop()
         result["segments_left"] = sorted(s for s in segments.values() if Path("/dev/shm", s).exists())
+        if mps:
+            mps.stop()
         (out_dir / f"coserving_{args.policy}.json").write_text(json.dumps(result))
     print(f"[{args.policy}] done in {time.monotonic() - t_start:.0f} s; exits {result['engine_exit']}, "
           f"segments left {result['segments_left']}", flush=True)
@@ -518,6 +576,15 @@ def _miss_lines(results: dict[str, dict], idle: dict) -> list[str]:
             "of kvcached's, static met |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |", *rows, ""]
 
 
+def _mps_lines(results: dict[str, dict]) -> list[str]:
+    """A line only where some policy ran its engines under CUDA MPS (``--mps``), naming which."""
+    on = {p: bool(res.get("mps")) for p, res in results.items()}
+    if not any(on.values()):
+        return []
+    return ["- CUDA MPS (the engines' kernels side by side): " + ", ".join(f"{p} {'on' if v else 'off'}"
+                                                                          for p, v in on.items())]
+
+
 def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = None) -> None:
     results = load_results(dirs)
     if not results:
@@ -539,6 +606,7 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
               f"- trace: Azure LLM inference 2023 (conversation), first requests of the trace scaled to each rate, "
               f"{any_res['duration_s']} s of arrivals per rate; skewed = Zipf over the models, the hot model rotating "
               "every third of the run; uniform = equal shares",
+              *_mps_lines(results),
               f"- SLO: TTFT <= k x idle TTFT (fitted per model and prompt length) and TPOT <= k x idle TPOT, "
               f"k = {KS[0]:g} (headline) and {KS[1]:g}; idle figures of the plain vLLM engines, one request at a "
               "time", ""]
@@ -736,6 +804,8 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--budget-s", type=float, default=480, help="start no new rate after this many seconds")
     r.add_argument("--smoke", action="store_true", help="three tiny models on the CPU: a check of the harness")
+    r.add_argument("--mps", action="store_true",
+                   help="run the engines as clients of one CUDA MPS daemon (kernels of the engines side by side)")
     p = sub.add_parser("report")
     p.add_argument("dirs", nargs="+")
     p.add_argument("--md", default=str(HERE / "results" / "coserving_h200.md"))

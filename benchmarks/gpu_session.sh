@@ -10,7 +10,8 @@
 # With a vLLM bundle (../shared/tools/vllm-gpu-bundle/build.sh BUNDLE_DIR; default .gpu-bundle) vLLM's CUDA
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 # serve: `vllm serve` over HTTP (tests/gpu/test_vllm_serve_gpu.py); coserving: benchmarks/bench_coserving.py, the
-# policies in COSERVING_POLICIES (default "static kvcached"; COSERVING_ARGS passed to each run), then its record.
+# policies in COSERVING_POLICIES (default "static kvcached"; COSERVING_ARGS passed to each run, e.g. --mps), then
+# its record.
 # With the default 30 s per rate one policy takes ~8 min: give one a call (COSERVING_POLICIES=static, then
 # kvcached) and make the record from both calls' coserving/ folders with bench_coserving.py report.
 # Both need the HTTP server's wheels: bash benchmarks/serve_wheels.sh (.serve-wheels, carried beside the bundle).

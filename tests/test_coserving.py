@@ -208,3 +208,57 @@ def test_report_from_two_policies(tmp_path: Path) -> None:
     rows = [ln for ln in bc._demand_lines(known) if ln.startswith("| kvcached")]
     share = 3002 * 112 / (3002 * 112 + 1002 * 128)  # the 3B's KV per token is 112 KiB, the 8B's 128 KiB
     assert len(rows) == 1 and f"| {hot} | {share:.2f} | {3 * share:.2f} |" in rows[0], rows
+
+
+FAKE_MPS = """#!/bin/sh
+# records each call (its arguments, stdin and pipe directory) and answers as the MPS control program does
+log="$CUDA_MPS_PIPE_DIRECTORY/calls"
+if [ "$1" = "-d" ]; then echo "daemon $CUDA_MPS_LOG_DIRECTORY" >> "$log"; exit "${FAKE_MPS_RC:-0}"; fi
+read -r cmd
+echo "ask $cmd" >> "$log"
+if [ "$cmd" = get_server_list ]; then cat "$CUDA_MPS_PIPE_DIRECTORY/servers" 2>/dev/null || true; fi
+"""
+
+
+def test_mps_daemon_is_started_asked_and_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import bench_coserving as bc
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / bc.Mps.CONTROL
+    fake.write_text(FAKE_MPS)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    work = tmp_path / "work"
+    mps = bc.Mps(work)
+    mps.start()
+    pipe = work / "mps_pipe"
+    # clients started from now on (the engines) find the daemon through the run's own directories
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe) and (work / "mps_log").is_dir()
+    assert mps.servers() == []
+    (pipe / "servers").write_text("4242\n")
+    assert mps.servers() == ["4242"]
+    mps.stop()
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert (pipe / "calls").read_text().splitlines() == [
+        f"daemon {work / 'mps_log'}", "ask get_server_list", "ask get_server_list", "ask quit"]
+    mps.stop()  # a second stop does nothing
+
+    monkeypatch.setenv("FAKE_MPS_RC", "1")
+    with pytest.raises(SystemExit, match="exited 1"):
+        bc.Mps(tmp_path / "w2").start()
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # a daemon that did not start is not handed to clients
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit, match="not on PATH"):
+        bc.Mps(work).start()
+
+
+def test_report_says_which_policies_ran_under_mps() -> None:
+    import bench_coserving as bc
+
+    assert bc._mps_lines({"static": {}, "kvcached": {"mps": False}}) == []
+    assert bc._mps_lines({"static": {"mps": True}, "kvcached": {"mps": True}}) == [
+        "- CUDA MPS (the engines' kernels side by side): static on, kvcached on"]
