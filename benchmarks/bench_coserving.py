@@ -218,6 +218,7 @@ class Mps:
             Path(d).mkdir(parents=True, exist_ok=True)
         r = subprocess.run([self.exe, "-d"], capture_output=True, text=True, timeout=30, env={**os.environ, **self.env})
         if r.returncode:
+            self.exe = None  # no daemon to stop
             raise SystemExit(f"--mps: '{self.CONTROL} -d' exited {r.returncode}: {(r.stderr or r.stdout).strip()} "
                              "(MPS needs the GPU in the Default or Exclusive_Process compute mode).")
         os.environ.update(self.env)  # before any client starts: they find the daemon through these
@@ -484,9 +485,9 @@ def run_policy(args: argparse.Namespace) -> None:
             ballast.kill()
         result["engine_exit"] = engines.stop()
         result["segments_left"] = sorted(s for s in segments.values() if Path("/dev/shm", s).exists())
-        if mps:
-            mps.stop()
         (out_dir / f"coserving_{args.policy}.json").write_text(json.dumps(result))
+        if mps:
+            mps.stop()  # after the results are written: a daemon that will not quit must not lose them
     print(f"[{args.policy}] done in {time.monotonic() - t_start:.0f} s; exits {result['engine_exit']}, "
           f"segments left {result['segments_left']}", flush=True)
 

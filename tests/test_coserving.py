@@ -248,8 +248,11 @@ def test_mps_daemon_is_started_asked_and_stopped(tmp_path: Path, monkeypatch: py
     mps.stop()  # a second stop does nothing
 
     monkeypatch.setenv("FAKE_MPS_RC", "1")
+    failed = bc.Mps(tmp_path / "w2")
     with pytest.raises(SystemExit, match="exited 1"):
-        bc.Mps(tmp_path / "w2").start()
+        failed.start()
+    failed.stop()  # nothing to quit: no call made
+    assert "ask quit" not in (tmp_path / "w2" / "mps_pipe" / "calls").read_text()
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # a daemon that did not start is not handed to clients
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     with pytest.raises(SystemExit, match="not on PATH"):
