@@ -146,13 +146,17 @@ def fit_idle(samples: Iterable[tuple[int, float, float]]) -> IdleModel:
     return IdleModel(a, b, tpots[len(tpots) // 2])
 
 
-def meets_slo(o: Outcome, idle: IdleModel, k: float) -> bool:
+def slo_miss(o: Outcome, idle: IdleModel, k: float) -> str | None:
+    """What a request missed of its SLO at ``k`` ("error", "ttft", "tpot", "both"), or None where it met it."""
     if o.error is not None or o.ttft_s is None:
-        return False
-    if o.ttft_s > k * idle.ttft(o.prompt_len):
-        return False
-    tpot = o.tpot_s
-    return tpot is None or tpot <= k * idle.tpot
+        return "error"
+    late = o.ttft_s > k * idle.ttft(o.prompt_len)
+    slow = o.tpot_s is not None and o.tpot_s > k * idle.tpot
+    return ("both" if slow else "ttft") if late else "tpot" if slow else None
+
+
+def meets_slo(o: Outcome, idle: IdleModel, k: float) -> bool:
+    return slo_miss(o, idle, k) is None
 
 
 def attainment(outcomes: Sequence[Outcome], idle: dict[str, IdleModel], k: float) -> float:
@@ -162,17 +166,8 @@ def attainment(outcomes: Sequence[Outcome], idle: dict[str, IdleModel], k: float
 
 
 def misses(outcomes: Sequence[Outcome], idle: dict[str, IdleModel], k: float) -> dict[int, str]:
-    """Each request that missed its SLO at ``k``, by trace index: what it missed ("error", "ttft", "tpot", "both")."""
-    out: dict[int, str] = {}
-    for o in outcomes:
-        if o.error is not None or o.ttft_s is None:
-            out[o.index] = "error"
-            continue
-        late = o.ttft_s > k * idle[o.model].ttft(o.prompt_len)
-        slow = o.tpot_s is not None and o.tpot_s > k * idle[o.model].tpot
-        if late or slow:
-            out[o.index] = "both" if late and slow else "ttft" if late else "tpot"
-    return out
+    """Each request that missed its SLO at ``k``, by trace index: what it missed (:func:`slo_miss`)."""
+    return {o.index: m for o in outcomes if (m := slo_miss(o, idle[o.model], k)) is not None}
 
 
 def shared_misses(elastic: dict[int, str], static: dict[int, str]) -> tuple[int, int]:
@@ -275,4 +270,6 @@ def memory_bound_rates(models: Sequence[str], per_token: dict[str, int], slice_b
         elastic_ok = elastic_ok and sum(demand_peak(curve)[1].values()) <= len(models) * slice_bytes
         static = rate if static_ok else static
         elastic = rate if elastic_ok else elastic
+        if not (static_ok or elastic_ok):  # a higher rate cannot count for either
+            break
     return static, elastic
