@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build kvcached, run the GPU tests and the benchmarks; everything lands under $OUT.
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh [all|tests|upstream|vllm|tp|serving|timeline|vmm|kernels|peers|aot|quick|
-#                                                serve|coserving|sglang] [BUNDLE_DIR]
+#                                                serve|mps|coserving|sglang] [BUNDLE_DIR]
 # (tp: the tensor-parallel engine test alone, on the two-GPU machine, kind nvidia-h200-x2; timeline: the
 # two-engine plot of bench_serving alone; `all` runs neither, since vllm and serving hold them; peers:
 # bench_peers.py, our attention against vLLM's Triton attention, FA3 and SDPA; not in `all` either; aot: the
@@ -11,7 +11,8 @@
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 # serve: `vllm serve` over HTTP (tests/gpu/test_vllm_serve_gpu.py); coserving: benchmarks/bench_coserving.py, the
 # policies in COSERVING_POLICIES (default "static kvcached"; COSERVING_ARGS passed to each run, e.g. --mps), then
-# its record.
+# its record; mps: a check that CUDA MPS runs here with kvcached's CUDA backend as its client (before
+# `coserving` with --mps in COSERVING_ARGS; if it fails, that call's co-serving step is skipped).
 # With the default 30 s per rate one policy takes ~8 min: give one a call (COSERVING_POLICIES=static, then
 # kvcached) and make the record from both calls' coserving/ folders with bench_coserving.py report.
 # Both need the HTTP server's wheels: bash benchmarks/serve_wheels.sh (.serve-wheels, carried beside the bundle).
@@ -90,6 +91,19 @@ if [[ " ${what//,/ } " == *" serve "* ]]; then
   log "vllm serve over HTTP"
   KVCACHED_SERVE_LOG_DIR="$OUT/serve_logs" timeout "${SERVE_TIMEOUT:-420}" python3 -m pytest -q -s tests/gpu/test_vllm_serve_gpu.py -p no:cacheprovider \
     --tb=short 2>&1 | tee "$OUT/gpu_serve_tests.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^WARNING" | tail -30
+fi
+if [[ " ${what//,/ } " == *" mps "* ]]; then
+  # Whether CUDA MPS runs here, with kvcached's CUDA backend as a client, before a co-serving run asks for it
+  # (--mps); on failure the co-serving step of this call is skipped.
+  log "CUDA MPS check"
+  ( d=$(mktemp -d) && export CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log \
+    && mkdir -p "$d/pipe" "$d/log" && nvidia-cuda-mps-control -d \
+    && { timeout 120 python3 -m pytest -q -m gpu tests/test_native_cuda.py -p no:cacheprovider --tb=short; rc=$?
+         echo "MPS servers: $(echo get_server_list | nvidia-cuda-mps-control)"; echo quit | nvidia-cuda-mps-control
+         tail -5 "$d/log/control.log" "$d/log/server.log" 2>/dev/null; exit $rc; } ) 2>&1 | tee "$OUT/mps_check.log" | tail -20
+  if [[ ${PIPESTATUS[0]} != 0 ]]; then
+    log "CUDA MPS check failed: co-serving skipped"; what="${what//coserving/}"
+  fi
 fi
 if [[ " ${what//,/ } " == *" coserving "* ]]; then
   for policy in ${COSERVING_POLICIES:-static kvcached}; do
