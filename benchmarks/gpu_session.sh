@@ -10,7 +10,8 @@
 # With a vLLM bundle (../shared/tools/vllm-gpu-bundle/build.sh BUNDLE_DIR; default .gpu-bundle) vLLM's CUDA
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 # serve: `vllm serve` over HTTP (tests/gpu/test_vllm_serve_gpu.py); coserving: benchmarks/bench_coserving.py, the
-# policies in COSERVING_POLICIES (default "static kvcached"; COSERVING_ARGS passed to each run, e.g. --mps), then
+# policies in COSERVING_POLICIES (default "static kvcached"; COSERVING_ARGS passed to each run, e.g. --mps, or
+# COSERVING_ARGS_<policy> to that one), then
 # its record; mps: a check that CUDA MPS runs here with kvcached's CUDA backend as its client (before
 # `coserving` with --mps in COSERVING_ARGS; if it fails, that call's co-serving step is skipped).
 # With the default 30 s per rate one policy takes ~8 min: give one a call (COSERVING_POLICIES=static, then
@@ -108,8 +109,9 @@ fi
 if [[ " ${what//,/ } " == *" coserving "* ]]; then
   for policy in ${COSERVING_POLICIES:-static kvcached}; do
     log "bench_coserving $policy"
+    per_policy="COSERVING_ARGS_$policy"  # e.g. COSERVING_ARGS_static: this policy's arguments instead
     timeout "${COSERVING_TIMEOUT:-560}" python3 benchmarks/bench_coserving.py run --policy "$policy" \
-      --out "$OUT/coserving" ${COSERVING_ARGS:-} 2>&1 | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^WARNING" \
+      --out "$OUT/coserving" ${!per_policy:-${COSERVING_ARGS:-}} 2>&1 | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^WARNING" \
       | tee "$OUT/coserving_$policy.log" | tail -20
   done
   # the record named after the GPU that ran it (coserving_h200.md, coserving_h100_80gb_hbm3.md)
