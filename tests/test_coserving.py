@@ -210,6 +210,14 @@ def test_report_from_two_policies(tmp_path: Path) -> None:
     assert len(rows) == 1 and f"| {hot} | {share:.2f} | {3 * share:.2f} |" in rows[0], rows
 
 
+def test_a_policy_that_missed_at_every_rate_is_below_the_lowest() -> None:
+    import bench_coserving as bc
+
+    s = {"table": {"static": {1.5: {4.5: {}, 2.0: {}}}, "kvcached": {1.5: {4.5: {}}}}}
+    assert bc._best_text(s, 1.5, {"static": None, "kvcached": 4.5}) == "static below 2.0, kvcached 4.5 req/s"
+    assert bc._best_text(s, 0.0, {"static": None, "kvcached": None}) == "static not run, kvcached not run req/s"
+
+
 FAKE_MPS = """#!/bin/sh
 # records each call (its arguments, stdin and pipe directory) and answers as the MPS control program does
 log="$CUDA_MPS_PIPE_DIRECTORY/calls"
