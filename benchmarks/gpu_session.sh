@@ -11,9 +11,8 @@
 # build is put on the path and kvcached is installed beside it, so vLLM's plugin loader finds our entry point.
 # serve: `vllm serve` over HTTP (tests/gpu/test_vllm_serve_gpu.py); coserving: benchmarks/bench_coserving.py, the
 # policies in COSERVING_POLICIES (default "static kvcached"; COSERVING_ARGS passed to each run, e.g. --mps, or
-# COSERVING_ARGS_<policy> to that one), then
-# its record; mps: a check that CUDA MPS runs here with kvcached's CUDA backend as its client (before
-# `coserving` with --mps in COSERVING_ARGS; if it fails, that call's co-serving step is skipped).
+# COSERVING_ARGS_<policy> to that one), then its record; mps: a check that CUDA MPS runs here with kvcached's
+# CUDA backend as its client (before `coserving` with --mps; if it fails, that call's co-serving step is skipped).
 # With the default 30 s per rate one policy takes ~8 min: give one a call (COSERVING_POLICIES=static, then
 # kvcached) and make the record from both calls' coserving/ folders with bench_coserving.py report.
 # Both need the HTTP server's wheels: bash benchmarks/serve_wheels.sh (.serve-wheels, carried beside the bundle).
