@@ -36,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -237,6 +238,23 @@ class Mps:
             for k in self.env:
                 os.environ.pop(k, None)
             self.exe = None
+
+
+# The MPS check's client by default: kvcached's CUDA backend tests (create, map, access, unmap under the daemon).
+MPS_CHECK_CLIENT = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_native_cuda.py", "-p",
+                    "no:cacheprovider", "--tb=short"]
+
+
+def mps_check(client: list[str], work: Path) -> int:
+    """Start an MPS daemon, run ``client`` as its client, name the servers, stop it: the client's exit code."""
+    mps = Mps(work)
+    mps.start()
+    try:
+        rc = subprocess.run(client, cwd=REPO, timeout=120).returncode
+        print(f"MPS servers: {mps.servers()}", flush=True)
+    finally:
+        mps.stop()
+    return rc
 
 
 def segment_used(names: dict[str, str]) -> dict[str, int]:
@@ -824,7 +842,12 @@ def main() -> None:
     e.add_argument("--rates", type=floats, default=[x / 4 for x in range(4, 41)])
     e.add_argument("--kv-gib", type=float, default=2.0)
     e.add_argument("--duration", type=float, default=30.0)
+    m = sub.add_parser("mps-check", help="whether CUDA MPS runs here with kvcached's CUDA backend as its client")
+    m.add_argument("--workdir", default=None, help="the daemon's pipe and log directories (default: a new temp dir)")
+    m.add_argument("client", nargs="*", help="the client command (default: the CUDA backend's GPU tests)")
     args = ap.parse_args()
+    if args.cmd == "mps-check":
+        sys.exit(mps_check(args.client or MPS_CHECK_CLIENT, Path(args.workdir or tempfile.mkdtemp(prefix="mps_"))))
     if args.cmd == "run":
         run_policy(args)
     elif args.cmd == "estimate":

@@ -96,11 +96,7 @@ if [[ " ${what//,/ } " == *" mps "* ]]; then
   # Whether CUDA MPS runs here, with kvcached's CUDA backend as a client, before a co-serving run asks for it
   # (--mps); on failure the co-serving step of this call is skipped.
   log "CUDA MPS check"
-  ( d=$(mktemp -d) && export CUDA_MPS_PIPE_DIRECTORY=$d/pipe CUDA_MPS_LOG_DIRECTORY=$d/log \
-    && mkdir -p "$d/pipe" "$d/log" && nvidia-cuda-mps-control -d \
-    && { timeout 120 python3 -m pytest -q -m gpu tests/test_native_cuda.py -p no:cacheprovider --tb=short; rc=$?
-         echo "MPS servers: $(echo get_server_list | nvidia-cuda-mps-control)"; echo quit | nvidia-cuda-mps-control
-         tail -5 "$d/log/control.log" "$d/log/server.log" 2>/dev/null; exit $rc; } ) 2>&1 | tee "$OUT/mps_check.log" | tail -20
+  python3 benchmarks/bench_coserving.py mps-check 2>&1 | tee "$OUT/mps_check.log" | tail -20
   if [[ ${PIPESTATUS[0]} != 0 ]]; then
     log "CUDA MPS check failed: co-serving skipped"; what="${what//coserving/}"
   fi

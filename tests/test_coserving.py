@@ -267,6 +267,32 @@ def test_mps_daemon_is_started_asked_and_stopped(tmp_path: Path, monkeypatch: py
         bc.Mps(work).start()
 
 
+def test_mps_check_runs_its_client_under_the_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import sys
+
+    import bench_coserving as bc
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / bc.Mps.CONTROL
+    fake.write_text(FAKE_MPS)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    work = tmp_path / "work"
+    # the client sees the daemon's pipe directory and its exit code is the check's
+    client = [sys.executable, "-c", "import os, sys; sys.exit(7 if os.environ['CUDA_MPS_PIPE_DIRECTORY'] else 1)"]
+    assert bc.mps_check(client, work) == 7
+    assert (work / "mps_pipe" / "calls").read_text().splitlines() == [
+        f"daemon {work / 'mps_log'}", "ask get_server_list", "ask quit"]
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert bc.mps_check([sys.executable, "-c", "pass"], tmp_path / "w2") == 0
+    monkeypatch.setenv("FAKE_MPS_RC", "1")
+    with pytest.raises(SystemExit, match="exited 1"):  # no daemon: the client is never run
+        bc.mps_check([sys.executable, "-c", "raise SystemExit('ran')"], tmp_path / "w3")
+
+
 def test_report_says_which_policies_ran_under_mps() -> None:
     import bench_coserving as bc
 
