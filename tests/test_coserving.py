@@ -228,7 +228,8 @@ if [ "$cmd" = get_server_list ]; then cat "$CUDA_MPS_PIPE_DIRECTORY/servers" 2>/
 """
 
 
-def test_mps_daemon_is_started_asked_and_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_mps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake control program first on PATH, and no daemon in the environment."""
     import os
 
     import bench_coserving as bc
@@ -240,6 +241,14 @@ def test_mps_daemon_is_started_asked_and_stopped(tmp_path: Path, monkeypatch: py
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+
+
+def test_mps_daemon_is_started_asked_and_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import bench_coserving as bc
+
+    fake_mps(tmp_path, monkeypatch)
     work = tmp_path / "work"
     mps = bc.Mps(work)
     mps.start()
@@ -273,13 +282,7 @@ def test_mps_check_runs_its_client_under_the_daemon(tmp_path: Path, monkeypatch:
 
     import bench_coserving as bc
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / bc.Mps.CONTROL
-    fake.write_text(FAKE_MPS)
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    fake_mps(tmp_path, monkeypatch)
     work = tmp_path / "work"
     # the client sees the daemon's pipe directory and its exit code is the check's
     client = [sys.executable, "-c", "import os, sys; sys.exit(7 if os.environ['CUDA_MPS_PIPE_DIRECTORY'] else 1)"]
