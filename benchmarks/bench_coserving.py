@@ -250,7 +250,10 @@ def mps_check(client: list[str], work: Path) -> int:
     mps = Mps(work)
     mps.start()
     try:
-        rc = subprocess.run(client, cwd=REPO, timeout=120).returncode
+        try:
+            rc = subprocess.run(client, cwd=REPO, timeout=120).returncode
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise SystemExit(f"mps-check: the client {client[:1]} did not run to its end: {e}") from e
         print(f"MPS servers: {mps.servers()}", flush=True)
     finally:
         mps.stop()

@@ -291,6 +291,9 @@ def test_mps_check_runs_its_client_under_the_daemon(tmp_path: Path, monkeypatch:
         f"daemon {work / 'mps_log'}", "ask get_server_list", "ask quit"]
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     assert bc.mps_check([sys.executable, "-c", "pass"], tmp_path / "w2") == 0
+    with pytest.raises(SystemExit, match="did not run to its end"):  # a client that is not there: a clear exit
+        bc.mps_check([str(tmp_path / "no_such_client")], tmp_path / "w4")
+    assert "ask quit" in (tmp_path / "w4" / "mps_pipe" / "calls").read_text()  # the daemon stopped all the same
     monkeypatch.setenv("FAKE_MPS_RC", "1")
     with pytest.raises(SystemExit, match="exited 1"):  # no daemon: the client is never run
         bc.mps_check([sys.executable, "-c", "raise SystemExit('ran')"], tmp_path / "w3")
