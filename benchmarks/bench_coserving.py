@@ -542,8 +542,18 @@ def summarize(results: dict[str, dict]) -> dict:
     return {"idle": idle, "table": table}
 
 
+# what the calls of one policy's grid must share for their rates to stand in one table
+SAME_SETUP = ("models", "kv_bytes_each", "duration_s", "mps")
+SAME_MACHINE = ("gpu", "driver", "torch", "triton", "vllm")
+
+
 def load_results(dirs: list[str]) -> dict[str, dict]:
-    """Each policy's run file (``coserving_<policy>.json``, or ``.json.gz`` as committed) in ``dirs``."""
+    """Each policy's run file (``coserving_<policy>.json``, or ``.json.gz`` as committed) in ``dirs``.
+
+    A policy's grid may be split over several calls (device calls are short: one rate more in the next call
+    on the same machine): files of one policy are merged, the later's runs after the earlier's, if they share
+    the set-up and the machine's software and repeat no (trace, rate); each call's command stays in ``calls``.
+    """
     import gzip
 
     results: dict[str, dict] = {}
@@ -551,8 +561,30 @@ def load_results(dirs: list[str]) -> dict[str, dict]:
         for f in sorted(Path(d).glob("coserving_*.json*")):
             text = gzip.decompress(f.read_bytes()).decode() if f.suffix == ".gz" else f.read_text()
             res = json.loads(text)
-            results[res["policy"]] = res
+            res.setdefault("calls", [{"file": str(f), **res.get("meta", {}),
+                                      **{k: res[k] for k in ("engine_ready_s", "engine_exit", "ballast") if k in res}}])
+            if res["policy"] in results:
+                _merge_calls(results[res["policy"]], res, str(f))
+            else:
+                results[res["policy"]] = res
     return results
+
+
+def _merge_calls(into: dict, more: dict, name: str) -> None:
+    """``more``'s runs appended to ``into``'s (one policy, two calls); SystemExit where they cannot share a table."""
+    differ = [k for k in SAME_SETUP if into.get(k) != more.get(k)]
+    differ += [f"meta.{k}" for k in SAME_MACHINE if into.get("meta", {}).get(k) != more.get("meta", {}).get(k)]
+    if differ:
+        raise SystemExit(f"report: {name} ({more['policy']}) differs from the earlier file of that policy in "
+                         f"{', '.join(differ)}; report them apart.")
+    have = {(r["skew"], r["rate"]) for r in into["runs"]}
+    again = sorted({(r["skew"], r["rate"]) for r in more["runs"]} & have)
+    if again:
+        raise SystemExit(f"report: {name} ({more['policy']}) runs (skew, rate) {again} again; keep one of the two "
+                         "runs out of the report's directories.")
+    into["runs"] = into["runs"] + more["runs"]
+    into["calls"] = into["calls"] + more["calls"]
+    into["segments_left"] = sorted(set(into.get("segments_left") or []) | set(more.get("segments_left") or []))
 
 
 LOWER_TARGET = 0.95  # a second attainment target, so a ratio held back by a few misses both policies share shows
@@ -630,7 +662,9 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
         if key in meta:
             lines.append(f"- {key}: {meta[key]}")
     for policy, res in results.items():
-        lines.append(f"- command ({policy}): {res.get('meta', {}).get('command')}")
+        for call in res["calls"]:
+            when = f" ({call.get('date')})" if len(res["calls"]) > 1 else ""
+            lines.append(f"- command ({policy}){when}: {call.get('command')}")
     any_res = next(iter(results.values()))
     kv = any_res["kv_bytes_each"] / GiB
     lines += [f"- models (dummy weights, real shapes): {', '.join(any_res['models'])}; `vllm serve` each, CUDA graphs, "
@@ -680,13 +714,17 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
     lines += _demand_lines(results)
     lines += ["", "## Engines", ""]
     for policy, res in results.items():
-        ready = {m: round(t, 1) for m, t in (res.get("engine_ready_s") or {}).items()}
-        lines.append(f"- {policy}: ready after {ready} s; exit codes {res.get('engine_exit')}; "
-                     f"kvcached segments left after exit: {res.get('segments_left')}")
-        if "ballast" in res:
-            b = res["ballast"]
-            lines.append(f"  - ballast {b['bytes'] / GiB:.1f} GiB; KV mapped when it was taken "
-                         f"{b['mapped_when_taken'] / GiB:.2f} GiB")
+        for call in res["calls"]:
+            ready = {m: round(t, 1) for m, t in (call.get("engine_ready_s") or {}).items()}
+            when = f" ({call.get('date')})" if len(res["calls"]) > 1 else ""
+            # the segments left: after the last call's exit (each call's engines are gone before the next starts)
+            last = call is res["calls"][-1]
+            left = f"; kvcached segments left after exit: {res.get('segments_left')}" if last else ""
+            lines.append(f"- {policy}{when}: ready after {ready} s; exit codes {call.get('engine_exit')}{left}")
+            if "ballast" in call:
+                b = call["ballast"]
+                lines.append(f"  - ballast {b['bytes'] / GiB:.1f} GiB; KV mapped when it was taken "
+                             f"{b['mapped_when_taken'] / GiB:.2f} GiB")
     png_att, png_mem = out_md.with_suffix(".png"), out_md.with_name(out_md.stem + "_memory.png")
     _plot_attainment(s, png_att)
     mem_rate = _plot_memory(results, png_mem, memory_rate)

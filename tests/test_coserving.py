@@ -174,18 +174,22 @@ def test_kv_demand_of_requests_in_flight() -> None:
                                "num_hidden_layers": 28, "num_key_value_heads": 8}) == 112 << 10
 
 
+def run(rate: float, ttft: float) -> dict:
+    """One rate's run file entry: 20 requests of model m0, each ``ttft`` late to its first token."""
+    outs = [Outcome(i, "m0", 128, 10, i / rate, ttft_s=ttft, e2e_s=ttft + 0.09, tokens=10, chunks=10).as_dict()
+            for i in range(20)]
+    return {"skew": 1.5, "rate": rate, "wall_s": 20 / rate, "outcomes": outs, "preemptions": {"m0": 0.0},
+            "mem": [[0.0, {"m0": 2 << 30}], [0.1, {"m0": 3 << 30}]]}
+
+
+BASE = {"kv_bytes_each": 2 << 30, "models": ["m0"], "duration_s": 10,
+        "idle": {"m0": [(128, 0.02, 0.01), (1024, 0.06, 0.01)]}, "meta": {"gpu": "test"}}
+
+
 def test_report_from_two_policies(tmp_path: Path) -> None:
     import bench_coserving as bc
 
-    idle = {"m0": [(128, 0.02, 0.01), (1024, 0.06, 0.01)]}
-
-    def run(rate: float, ttft: float) -> dict:
-        outs = [Outcome(i, "m0", 128, 10, i / rate, ttft_s=ttft, e2e_s=ttft + 0.09, tokens=10, chunks=10).as_dict()
-                for i in range(20)]
-        return {"skew": 1.5, "rate": rate, "wall_s": 20 / rate, "outcomes": outs, "preemptions": {"m0": 0.0},
-                "mem": [[0.0, {"m0": 2 << 30}], [0.1, {"m0": 3 << 30}]]}
-
-    base = {"kv_bytes_each": 2 << 30, "models": ["m0"], "duration_s": 10, "idle": idle, "meta": {"gpu": "test"}}
+    base = BASE
     static = {**base, "policy": "static", "runs": [run(1, 0.05), run(2, 0.05), run(4, 5.0)]}
     kv = {**base, "policy": "kvcached", "runs": [run(1, 0.05), run(2, 0.05), run(4, 0.05)]}
     (tmp_path / "coserving_static.json").write_text(json.dumps(static))
@@ -305,3 +309,34 @@ def test_report_says_which_policies_ran_under_mps() -> None:
     assert bc._mps_lines({"static": {}, "kvcached": {"mps": False}}) == []
     assert bc._mps_lines({"static": {"mps": True}, "kvcached": {"mps": True}}) == [
         "- CUDA MPS (the engines' kernels side by side): static on, kvcached on"]
+
+
+def test_report_merges_one_policys_grid_over_two_calls(tmp_path: Path) -> None:
+    import bench_coserving as bc
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+
+    def write(d: Path, policy: str, runs: list[dict], **extra: object) -> None:
+        meta = {**BASE["meta"], "date": d.name, "command": f"run {policy} {d.name}"}
+        res = {**BASE, "policy": policy, "runs": runs, "meta": meta, "engine_exit": {"m0": 0}, **extra}
+        (d / f"coserving_{policy}.json").write_text(json.dumps(res))
+
+    write(first, "static", [run(1, 0.05), run(2, 0.05)])
+    write(first, "kvcached", [run(2, 0.05)])
+    write(second, "static", [run(4, 5.0)])
+    write(second, "kvcached", [run(4, 0.05)])
+    md = tmp_path / "rec.md"
+    bc.report([str(first), str(second)], md, "test")
+    text = md.read_text()
+    # static's 4 req/s (second call) after its 1 and 2 (first): kept up to 2; kvcached's 2 and 4 from two calls
+    assert "static 2, kvcached 4 req/s; ratio **2.00**" in text
+    assert "- command (static) (a): run static a" in text and "- command (kvcached) (b): run kvcached b" in text
+    assert text.count("exit codes {'m0': 0}") == 4
+
+    write(second, "kvcached", [run(2, 0.05)])  # the same rate in both calls: which one counts is not the report's call
+    with pytest.raises(SystemExit, match=r"runs \(skew, rate\) \[\(1.5, 2\)\] again"):
+        bc.load_results([str(first), str(second)])
+    write(second, "kvcached", [run(4, 0.05)], mps=True)  # another set-up: not one grid
+    with pytest.raises(SystemExit, match="differs from the earlier file of that policy in mps"):
+        bc.load_results([str(first), str(second)])
