@@ -340,3 +340,26 @@ def test_report_merges_one_policys_grid_over_two_calls(tmp_path: Path) -> None:
     write(second, "kvcached", [run(4, 0.05)], mps=True)  # another set-up: not one grid
     with pytest.raises(SystemExit, match="differs from the earlier file of that policy in mps"):
         bc.load_results([str(first), str(second)])
+
+
+def test_the_ratio_says_which_way_the_rates_run_leave_it_open() -> None:
+    import bench_coserving as bc
+
+    def grid(static: dict[float, float], kvcached: dict[float, float]) -> dict:
+        return {"table": {p: {1.5: {r: {"attainment": {10.0: a}} for r, a in g.items()}}
+                          for p, g in (("static", static), ("kvcached", kvcached))}}
+
+    def note(s: dict) -> str:
+        best, _ = bc._best(s, 1.5, 10.0, 0.99)
+        return bc._grid_note(s, 1.5, best)
+
+    # both grids cover the rates, each policy missed the next one: the ratio stands as run
+    assert note(grid({2: 1.0, 3: 0.9, 4.5: 0.8}, {2: 1.0, 3: 1.0, 4.5: 1.0, 6: 0.7})) == ""
+    # static not run at 3 (where kvcached was), kvcached kept its highest rate: open both ways
+    assert note(grid({2: 1.0}, {3: 1.0, 4.5: 1.0})) == (
+        " (the static split not run at 3, 4.5: at most this; kvcached not run above 4.5: at least this)")
+    assert note(grid({2: 1.0, 3: 0.97}, {2: 1.0, 3: 1.0, 4.5: 1.0})) == " (kvcached not run above 4.5: at least this)"
+    # static missed at 4.5 but was not run at 3, which kvcached kept: static's point may be 3
+    assert note(grid({2: 1.0, 4.5: 0.97}, {3: 1.0, 4.5: 1.0, 6: 0.6})) == (
+        " (the static split not run at 3: at most this)")
+    assert note(grid({2: 0.9}, {2: 1.0})) == ""  # no ratio to qualify
