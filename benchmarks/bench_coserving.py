@@ -553,6 +553,8 @@ def load_results(dirs: list[str]) -> dict[str, dict]:
     A policy's grid may be split over several calls (device calls are short: one rate more in the next call
     on the same machine): files of one policy are merged, the later's runs after the earlier's, if they share
     the set-up and the machine's software and repeat no (trace, rate); each call's command stays in ``calls``.
+    The idle reference stays the first call's. Two machines of one model and software look alike here: merge
+    only calls made on one machine (one lease), as the comparison needs.
     """
     import gzip
 
