@@ -433,7 +433,8 @@ def run_policy(args: argparse.Namespace) -> None:
     segments = {m.name: m.env["KVCACHED_IPC_NAME"] for m in config.models if "KVCACHED_IPC_NAME" in m.env}
     result: dict = {"policy": args.policy, "kv_bytes_each": kv_bytes, "device_total": total, "device_free_at_start":
                     free0, "models": list(paths), "ks": list(KS), "duration_s": args.duration, "seed": args.seed,
-                    "router_config": raw, "runs": [], "meta": meta(sys.argv[1:]), "mps": bool(args.mps)}
+                    "router_config": raw, "runs": [], "meta": meta(sys.argv[1:]), "mps": bool(args.mps),
+                    "not_run": []}
     router = ballast = None
     mps = Mps(work) if args.mps else None
     t_start = time.monotonic()
@@ -470,9 +471,11 @@ def run_policy(args: argparse.Namespace) -> None:
         result["device_free_before_runs"] = device_memory()[0]
         result["idle"] = idle_probe(rurl, list(paths), args.seed, (16, 64, 128) if args.smoke else (128, 1024, 4096))
         for skew, rates in ((args.skew, args.rates), (0.0, args.uniform_rates)):
-            for rate in rates:
+            for i, rate in enumerate(rates):
                 if time.monotonic() - t_start > args.budget_s:
                     print(f"[{args.policy}] time budget spent; rate {rate} not run", flush=True)
+                    result["not_run"] += [[skew, r, f"the time budget (--budget-s {args.budget_s:g})"]
+                                          for r in rates[i:]]
                     break
                 wait_idle(urls)
                 reqs = build_trace(list(paths), rate, args.duration, skew, seed=args.seed,
@@ -499,6 +502,7 @@ def run_policy(args: argparse.Namespace) -> None:
                       f"attainment {att}, preemptions {run['preemptions']}, wall {wall:.1f} s", flush=True)
                 (out_dir / f"coserving_{args.policy}.json").write_text(json.dumps(result))
                 if att[KS[-1]] < 0.5:
+                    result["not_run"] += [[skew, r, f"attainment below 0.5 at {rate:g}"] for r in rates[i + 1:]]
                     break
     finally:
         if router is not None:
@@ -586,6 +590,7 @@ def _merge_calls(into: dict, more: dict, name: str) -> None:
                          "runs out of the report's directories.")
     into["runs"] = into["runs"] + more["runs"]
     into["calls"] = into["calls"] + more["calls"]
+    into["not_run"] = (into.get("not_run") or []) + (more.get("not_run") or [])
     into["segments_left"] = sorted(set(into.get("segments_left") or []) | set(more.get("segments_left") or []))
 
 
@@ -662,6 +667,15 @@ def _miss_lines(results: dict[str, dict], idle: dict) -> list[str]:
             "of kvcached's, static met |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |", *rows, ""]
 
 
+def _not_run_lines(results: dict[str, dict]) -> list[str]:
+    """The rates a policy was asked for and did not run, and why (its time budget, or a rate it already failed)."""
+    out = []
+    for policy, res in results.items():
+        for skew, rate, why in res.get("not_run") or []:
+            out.append(f"- not run: {policy} at {rate:g} req/s ({'skewed' if skew else 'uniform'} trace): {why}")
+    return out
+
+
 def _mps_lines(results: dict[str, dict]) -> list[str]:
     """A line only where some policy ran its engines under CUDA MPS (``--mps``), naming which."""
     on = {p: bool(res.get("mps")) for p, res in results.items()}
@@ -695,6 +709,7 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
               f"{any_res['duration_s']} s of arrivals per rate; skewed = Zipf over the models, the hot model rotating "
               "every third of the run; uniform = equal shares",
               *_mps_lines(results),
+              *_not_run_lines(results),
               f"- SLO: TTFT <= k x idle TTFT (fitted per model and prompt length) and TPOT <= k x idle TPOT, "
               f"k = {KS[0]:g} and {KS[1]:g} (the headline: {KS[1]:g}, docs/coserving.md says why); idle figures of "
               "the plain vLLM engines, one request at a time", ""]

@@ -324,7 +324,7 @@ def test_report_merges_one_policys_grid_over_two_calls(tmp_path: Path) -> None:
 
     write(first, "static", [run(1, 0.05), run(2, 0.05)])
     write(first, "kvcached", [run(2, 0.05)])
-    write(second, "static", [run(4, 5.0)])
+    write(second, "static", [run(4, 5.0)], not_run=[[1.5, 8, "the time budget (--budget-s 175)"]])
     write(second, "kvcached", [run(4, 0.05)])
     md = tmp_path / "rec.md"
     bc.report([str(first), str(second)], md, "test")
@@ -333,6 +333,7 @@ def test_report_merges_one_policys_grid_over_two_calls(tmp_path: Path) -> None:
     assert "static 2, kvcached 4 req/s; ratio **2.00**" in text
     assert "- command (static) (a): run static a" in text and "- command (kvcached) (b): run kvcached b" in text
     assert text.count("exit codes {'m0': 0}") == 4
+    assert "- not run: static at 8 req/s (skewed trace): the time budget (--budget-s 175)" in text
 
     write(second, "kvcached", [run(2, 0.05)])  # the same rate in both calls: which one counts is not the report's call
     with pytest.raises(SystemExit, match=r"runs \(skew, rate\) \[\(1.5, 2\)\] again"):
