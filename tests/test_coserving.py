@@ -174,7 +174,7 @@ def test_kv_demand_of_requests_in_flight() -> None:
                                "num_hidden_layers": 28, "num_key_value_heads": 8}) == 112 << 10
 
 
-def run(rate: float, ttft: float) -> dict:
+def rate_run(rate: float, ttft: float) -> dict:
     """One rate's run file entry: 20 requests of model m0, each ``ttft`` late to its first token."""
     outs = [Outcome(i, "m0", 128, 10, i / rate, ttft_s=ttft, e2e_s=ttft + 0.09, tokens=10, chunks=10).as_dict()
             for i in range(20)]
@@ -189,9 +189,8 @@ BASE = {"kv_bytes_each": 2 << 30, "models": ["m0"], "duration_s": 10,
 def test_report_from_two_policies(tmp_path: Path) -> None:
     import bench_coserving as bc
 
-    base = BASE
-    static = {**base, "policy": "static", "runs": [run(1, 0.05), run(2, 0.05), run(4, 5.0)]}
-    kv = {**base, "policy": "kvcached", "runs": [run(1, 0.05), run(2, 0.05), run(4, 0.05)]}
+    static = {**BASE, "policy": "static", "runs": [rate_run(1, 0.05), rate_run(2, 0.05), rate_run(4, 5.0)]}
+    kv = {**BASE, "policy": "kvcached", "runs": [rate_run(1, 0.05), rate_run(2, 0.05), rate_run(4, 0.05)]}
     (tmp_path / "coserving_static.json").write_text(json.dumps(static))
     (tmp_path / "coserving_kvcached.json").write_text(json.dumps(kv))
     md = tmp_path / "rec.md"
@@ -322,10 +321,10 @@ def test_report_merges_one_policys_grid_over_two_calls(tmp_path: Path) -> None:
         res = {**BASE, "policy": policy, "runs": runs, "meta": meta, "engine_exit": {"m0": 0}, **extra}
         (d / f"coserving_{policy}.json").write_text(json.dumps(res))
 
-    write(first, "static", [run(1, 0.05), run(2, 0.05)])
-    write(first, "kvcached", [run(2, 0.05)])
-    write(second, "static", [run(4, 5.0)], not_run=[[1.5, 8, "the time budget (--budget-s 175)"]])
-    write(second, "kvcached", [run(4, 0.05)])
+    write(first, "static", [rate_run(1, 0.05), rate_run(2, 0.05)])
+    write(first, "kvcached", [rate_run(2, 0.05)])
+    write(second, "static", [rate_run(4, 5.0)], not_run=[[1.5, 8, "the time budget (--budget-s 175)"]])
+    write(second, "kvcached", [rate_run(4, 0.05)])
     md = tmp_path / "rec.md"
     bc.report([str(first), str(second)], md, "test")
     text = md.read_text()
@@ -335,10 +334,11 @@ def test_report_merges_one_policys_grid_over_two_calls(tmp_path: Path) -> None:
     assert text.count("exit codes {'m0': 0}") == 4
     assert "- not run: static at 8 req/s (skewed trace): the time budget (--budget-s 175)" in text
 
-    write(second, "kvcached", [run(2, 0.05)])  # the same rate in both calls: which one counts is not the report's call
+    # the same rate in both calls: which one counts is not the report's to choose
+    write(second, "kvcached", [rate_run(2, 0.05)])
     with pytest.raises(SystemExit, match=r"runs \(skew, rate\) \[\(1.5, 2\)\] again"):
         bc.load_results([str(first), str(second)])
-    write(second, "kvcached", [run(4, 0.05)], mps=True)  # another set-up: not one grid
+    write(second, "kvcached", [rate_run(4, 0.05)], mps=True)  # another set-up: not one grid
     with pytest.raises(SystemExit, match="differs from the earlier file of that policy in mps"):
         bc.load_results([str(first), str(second)])
 
