@@ -604,13 +604,17 @@ def _best(s: dict, skew: float, k: float, target: float) -> tuple[dict, float | 
     return best, (best["kvcached"] / best["static"]) if best["kvcached"] and best["static"] else None
 
 
+def _rates_run(s: dict, skew: float, policy: str) -> list[float]:
+    return sorted(s["table"].get(policy, {}).get(skew, {}))
+
+
 def _grid_note(s: dict, skew: float, best: dict) -> str:
     """Where the rates run leave the ratio open: the static split not run at a rate between its 99 % point and
     kvcached's (it may keep that rate too: the ratio is at most the one shown), or kvcached's point at its highest
     rate run (it may keep more: at least the one shown)."""
     if not (best["static"] and best["kvcached"]):
         return ""
-    ran = {p: sorted(s["table"].get(p, {}).get(skew, {})) for p in ("static", "kvcached")}
+    ran = {p: _rates_run(s, skew, p) for p in ("static", "kvcached")}
     notes = []
     missed = min((r for r in ran["static"] if r > best["static"]), default=float("inf"))  # static's first miss
     gap = [r for r in sorted(set(ran["static"]) | set(ran["kvcached"]))
@@ -627,19 +631,22 @@ def _best_text(s: dict, skew: float, best: dict) -> str:
     def one(policy: str) -> str:
         if best[policy] is not None:
             return str(best[policy])
-        ran = sorted(s["table"].get(policy, {}).get(skew, {}))
+        ran = _rates_run(s, skew, policy)
         return f"below {ran[0]}" if ran else "not run"
 
     return f"static {one('static')}, kvcached {one('kvcached')} req/s"
 
 
+def _best_summary(s: dict, skew: float, k: float, target: float, bold: bool = False) -> str:
+    """Each policy's highest rate at ``target`` and their ratio, with what the rates run leave open."""
+    best, ratio = _best(s, skew, k, target)
+    mark = "**" if bold else ""
+    return _best_text(s, skew, best) + (f"; ratio {mark}{ratio:.2f}{mark}{_grid_note(s, skew, best)}" if ratio else "")
+
+
 def _lower_target_lines(s: dict, skew: float, name: str) -> list[str]:
-    out = []
-    for k in KS:
-        best, ratio = _best(s, skew, k, LOWER_TARGET)
-        out.append(f"- {name}, k={k:g}, a lower target: highest rate at >= {LOWER_TARGET * 100:.0f} % attainment: "
-                   + _best_text(s, skew, best) + (f"; ratio {ratio:.2f}{_grid_note(s, skew, best)}" if ratio else ""))
-    return out
+    return [f"- {name}, k={k:g}, a lower target: highest rate at >= {LOWER_TARGET * 100:.0f} % attainment: "
+            + _best_summary(s, skew, k, LOWER_TARGET) for k in KS]
 
 
 def _miss_lines(results: dict[str, dict], idle: dict) -> list[str]:
@@ -665,6 +672,11 @@ def _miss_lines(results: dict[str, dict], idle: dict) -> list[str]:
             "misses into requests of the trace that the static split missed too, and ones it met.", "",
             "| trace | rate (req/s) | requests | static misses | kvcached misses | of kvcached's, static missed too | "
             "of kvcached's, static met |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |", *rows, ""]
+
+
+def _call_tag(res: dict, call: dict) -> str:
+    """" (date)" where the policy's runs came from several calls, else nothing."""
+    return f" ({call.get('date')})" if len(res["calls"]) > 1 else ""
 
 
 def _not_run_lines(results: dict[str, dict]) -> list[str]:
@@ -696,9 +708,7 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
         if key in meta:
             lines.append(f"- {key}: {meta[key]}")
     for policy, res in results.items():
-        for call in res["calls"]:
-            when = f" ({call.get('date')})" if len(res["calls"]) > 1 else ""
-            lines.append(f"- command ({policy}){when}: {call.get('command')}")
+        lines += [f"- command ({policy}){_call_tag(res, call)}: {call.get('command')}" for call in res["calls"]]
     any_res = next(iter(results.values()))
     kv = any_res["kv_bytes_each"] / GiB
     lines += [f"- models (dummy weights, real shapes): {', '.join(any_res['models'])}; `vllm serve` each, CUDA graphs, "
@@ -726,10 +736,8 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
                              f"{r['goodput'][KS[0]]:.2f} | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
                              f"{1e3 * r['tpot_p50']:.1f} / {1e3 * r['tpot_p99']:.1f} |")
         lines.append("")
-        for k in KS:
-            best, ratio = _best(s, skew, k, 0.99)
-            lines.append(f"- {name}, k={k:g}: highest rate at >= 99 % attainment: " + _best_text(s, skew, best)
-                         + (f"; ratio **{ratio:.2f}**{_grid_note(s, skew, best)}" if ratio else ""))
+        lines += [f"- {name}, k={k:g}: highest rate at >= 99 % attainment: "
+                  + _best_summary(s, skew, k, 0.99, bold=True) for k in KS]
         lines += [*_lower_target_lines(s, skew, name), ""]
     lines += _miss_lines(results, s["idle"])
     lines += ["## Idle latency (plain vLLM engines, one request at a time)", "",
@@ -751,11 +759,11 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
     for policy, res in results.items():
         for call in res["calls"]:
             ready = {m: round(t, 1) for m, t in (call.get("engine_ready_s") or {}).items()}
-            when = f" ({call.get('date')})" if len(res["calls"]) > 1 else ""
             # the segments left: after the last call's exit (each call's engines are gone before the next starts)
             last = call is res["calls"][-1]
             left = f"; kvcached segments left after exit: {res.get('segments_left')}" if last else ""
-            lines.append(f"- {policy}{when}: ready after {ready} s; exit codes {call.get('engine_exit')}{left}")
+            lines.append(f"- {policy}{_call_tag(res, call)}: ready after {ready} s; "
+                         f"exit codes {call.get('engine_exit')}{left}")
             if "ballast" in call:
                 b = call["ballast"]
                 lines.append(f"  - ballast {b['bytes'] / GiB:.1f} GiB; KV mapped when it was taken "
