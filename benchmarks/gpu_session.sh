@@ -48,6 +48,15 @@ if [[ -d .serve-wheels ]]; then
   python3 -c "import vllm.entrypoints.openai.api_server" 2>&1 | tail -3 | tee -a "$OUT/session.log"
 fi
 
+# The bundles unpack without byte-code (--no-compile): each engine process (two a `vllm serve`) would compile the
+# modules it imports from source, all of them at once on a cold machine, or at every start where
+# PYTHONDONTWRITEBYTECODE is set. Once per machine on every core instead.
+if [[ -n "${PYTHONPATH:-}" && ! -f /tmp/.kvcached_bytecode ]]; then
+  log "byte-code (PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset})"
+  IFS=: read -ra sites <<< "$PYTHONPATH"
+  python3 -m compileall -q -j 0 "${sites[@]}" >/dev/null 2>&1; touch /tmp/.kvcached_bytecode
+fi
+
 log "build + install"
 # FACTS.md: the image's default g++ breaks ABI with torch; the system one works. Editable install: the
 # entry point (vllm.general_plugins) is registered, the code stays this checkout.
