@@ -51,9 +51,10 @@ fi
 # The bundles unpack without byte-code (--no-compile): each engine process (two a `vllm serve`) would compile the
 # modules it imports from source, all of them at once on a cold machine, or at every start where
 # PYTHONDONTWRITEBYTECODE is set. Once per machine on every core instead.
-if [[ -n "${PYTHONPATH:-}" && ! -f /tmp/.kvcached_bytecode ]]; then
-  log "byte-code (PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset})"
-  IFS=: read -ra sites <<< "$PYTHONPATH"
+sites=()
+for site in "${VLLM_BUNDLE_SITE:-/tmp/vllm-bundle-site}" /tmp/serve-site; do [[ -d $site ]] && sites+=("$site"); done
+if [[ ${#sites[@]} -gt 0 && ! -f /tmp/.kvcached_bytecode ]]; then
+  log "byte-code of ${sites[*]} (PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset})"
   python3 -m compileall -q -j 0 "${sites[@]}" >/dev/null 2>&1; touch /tmp/.kvcached_bytecode
 fi
 
