@@ -35,20 +35,24 @@ install() {
 }
 
 sglang_env() {
-  # SGLang 0.5.17's own classes for tests/test_sglang_*.py (its engine does not run on a CPU: docs/sglang.md). Its
-  # pins are the H200's torch 2.11 and CUDA kernels, so it goes into a venv of its own without its dependencies,
-  # over the project venv's packages (a .pth puts them after its own); with uv, seconds and ~330 MB.
-  if [ ! -f .venv-sglang/.ok ]; then
-    rm -rf .venv-sglang
-    python3 -m venv .venv-sglang
+  # SGLang's own classes for tests/test_sglang_*.py (its engine does not run on a CPU: docs/sglang.md), one venv per
+  # supported release ($1: 0.5.17 -> .venv-sglang, 0.5.18 -> .venv-sglang-0.5.18). Their pins are a GPU build of torch
+  # (2.11 / 2.13) and CUDA kernels, so each goes into a venv of its own without its dependencies, over the project
+  # venv's packages (a .pth puts them after its own); with uv, seconds and ~330 MB.
+  local v="$1" venv=.venv-sglang
+  [ "$v" = 0.5.17 ] || venv=".venv-sglang-$v"
+  if [ ! -f "$venv/.ok" ]; then
+    rm -rf "$venv"
+    python3 -m venv "$venv"
     local site
-    site=$(.venv-sglang/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/_kvcached_venv.pth"
-    INTO=.venv-sglang/bin/python install --no-deps sglang==0.5.17 torchvision==0.28.0 transformers==5.12.1 \
+    INTO="$venv/bin/python" install --no-deps "sglang==$v" torchvision==0.28.0 transformers==5.12.1 \
       tokenizers==0.22.2 'huggingface-hub>=1.5,<2'
-    INTO=.venv-sglang/bin/python install orjson easydict distro xxhash zstandard ipython gguf
-    touch .venv-sglang/.ok
+    INTO="$venv/bin/python" install orjson easydict distro xxhash zstandard ipython gguf
+    touch "$venv/.ok"
   fi
+  SGLANG_VENV="$venv"
 }
 
 setup() {
@@ -120,10 +124,12 @@ case "$job" in
     # kvcached's SGLang hook and attention backend against SGLang's own classes (skipped in the venv below); with
     # pytest arguments (a subset of the suite) only where they are asked for by name
     if [ $# -eq 0 ] || [[ " $* " == *sglang* ]]; then
-      sglang_env
-      .venv-sglang/bin/python -m pytest -q -p no:cacheprovider -n "${KVCACHED_TEST_JOBS:-2}" tests/test_sglang_hook.py \
-        tests/test_sglang_backend.py
-      echo "dev.sh test: the SGLang tests took $((SECONDS - t0)) s"
+      for v in 0.5.17 0.5.18; do  # every SGLang release kvcached/integration/sglang/version.py accepts
+        sglang_env "$v"
+        "$SGLANG_VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${KVCACHED_TEST_JOBS:-2}" \
+          tests/test_sglang_hook.py tests/test_sglang_backend.py
+        echo "dev.sh test: the SGLang $v tests took $((SECONDS - t0)) s"; t0=$SECONDS
+      done
     fi
     # Two workers (KVCACHED_TEST_JOBS=0: none); engine tests run side by side, each with its own host budget, and
     # share their engine baselines (tests/e2e/harness.py once_per_session); an idle worker takes queued tests from

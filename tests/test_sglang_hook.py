@@ -1,4 +1,4 @@
-"""kvcached's SGLang hook against SGLang's own classes (0.5.17), on the CPU host backend.
+"""kvcached's SGLang hook against SGLang's own classes (0.5.17 or 0.5.18: the venv's), on the CPU host backend.
 
 SGLang's engine cannot run on this machine (docs/sglang.md), so these tests build what
 its ``KVCacheConfigurator`` builds, SGLang's pools, allocators, radix cache and Triton
@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvcached.integration.sglang.version import installed_sglang_version
 from tests.sglang_support import exact_mapping_env, sglang_missing
 
 MISSING = sglang_missing()
@@ -30,7 +31,7 @@ def sgl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     exact_mapping_env(monkeypatch, request.param, host_mb=96)
     from kvcached.integration.sglang import interfaces, patches
 
-    assert patches.apply() == "0.5.17"
+    assert patches.apply() == installed_sglang_version()
     yield request.param
     interfaces.shutdown_kvcached()
 
@@ -297,7 +298,8 @@ def test_prefill_admission_takes_its_pages_from_the_radix_cache(sgl, page: int, 
         rtp.req_to_token[slot, :len(tokens)] = locs.to(torch.int32)
         cache.cache_finished_req(SimpleNamespace(req_pool_idx=slot, origin_input_ids=array("q", tokens),
                                                  output_ids=array("q"), cache_protected_len=0, last_node=None,
-                                                 extra_key=None, priority=0), kv_len_to_handle=len(tokens))
+                                                 extra_key=None, cache_salt=None, priority=0),
+                                 kv_len_to_handle=len(tokens))
     assert cache.evictable_size() == 1024 + 256
     _fill_device(other_pool, page)
     req = _waiting(cache, "r1", prompts["shared"] + list(range(40000, 40600)))  # a cached prefix + 600 new tokens
@@ -446,7 +448,7 @@ def test_radix_cache_is_bounded(sgl, page: int, monkeypatch: pytest.MonkeyPatch)
         locs = _extend(alloc, [n])
         rtp.req_to_token[1, :n] = locs.to(torch.int32)
         req = SimpleNamespace(req_pool_idx=1, origin_input_ids=[1000 * (i + 1) + t for t in range(n)], output_ids=[],
-                              cache_protected_len=0, last_node=None, extra_key=None, priority=0)
+                              cache_protected_len=0, last_node=None, extra_key=None, cache_salt=None, priority=0)
         cache.cache_finished_req(req, kv_len_to_handle=n)
         assert 0 < cache.evictable_size() <= bound
     # what the tree keeps is all that stays allocated: evicted prefixes went back to kvcached
@@ -455,8 +457,8 @@ def test_radix_cache_is_bounded(sgl, page: int, monkeypatch: pytest.MonkeyPatch)
     locs = _extend(alloc, [320])
     rtp.req_to_token[1, :320] = locs.to(torch.int32)
     cache.cache_finished_req(SimpleNamespace(req_pool_idx=1, origin_input_ids=list(range(320)), output_ids=[],
-                                             cache_protected_len=0, last_node=None, extra_key=None, priority=0),
-                             kv_len_to_handle=320)
+                                             cache_protected_len=0, last_node=None, extra_key=None, cache_salt=None,
+                                             priority=0), kv_len_to_handle=320)
     assert cache.evictable_size() > bound
 
 
@@ -486,6 +488,21 @@ def test_double_free_raises(sgl):
     alloc.free(locs)
     with pytest.raises(ValueError):
         alloc.free(locs)
+
+
+def test_a_grouped_free_keeps_the_ids_it_was_given(sgl):
+    """Within ``free_group_begin``/``end`` the freed ids wait for the group's end; a caller reusing its tensor in
+    between must not change what is freed then (SGLang 0.5.18 copies them too)."""
+    (_, _), (pool, alloc) = _pools(16)
+    kv = pool.kvcached_manager
+    mapped_before = kv.available_size()
+    kept, freed = _extend(alloc, [40]), _extend(alloc, [40])
+    alloc.free_group_begin()
+    alloc.free(freed)
+    freed.copy_(kept)  # the caller's tensor now names pages still in use
+    alloc.free_group_end()
+    alloc.free(kept)  # would be a double free had the group freed `kept`'s pages
+    assert kv.available_size() == mapped_before
 
 
 def test_refused_options(sgl):
@@ -641,7 +658,7 @@ def test_radix_cache_yields_on_a_full_device(sgl, page: int, monkeypatch: pytest
         rtp.req_to_token[1, :n] = locs.to(torch.int32)
         cache.cache_finished_req(SimpleNamespace(req_pool_idx=1, origin_input_ids=[seed + t for t in range(n)],
                                                  output_ids=[], cache_protected_len=0, last_node=None,
-                                                 extra_key=None, priority=0), kv_len_to_handle=n)
+                                                 extra_key=None, cache_salt=None, priority=0), kv_len_to_handle=n)
 
     pa = pool.kvcached_manager.page_allocator
     finish(1000)

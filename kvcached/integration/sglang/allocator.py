@@ -4,7 +4,7 @@ SGLang's allocators keep every free page in a device tensor. Here the free list 
 kvcached's: a page index is a kvcached block (``block_size`` = SGLang's page size),
 mapped while it is handed out and given back on free, so memory follows load.
 
-Contract kept with SGLang (0.5.17):
+Contract kept with SGLang (0.5.17, 0.5.18):
 - ``alloc*`` return None when the pages cannot be had now (a kvctl limit, another
   engine holding the device): SGLang's scheduler then waits or retracts, as when its
   own pool is full; ``available_size()`` counts what could be mapped now, so the
@@ -94,7 +94,8 @@ class _KvcachedAllocatorMixin:
         if free_index.numel() == 0:
             return
         if not self.is_not_in_free_group:
-            self.free_group.append(free_index)
+            # a copy: the caller may reuse the tensor before the group ends (SGLang 0.5.18 copies here too)
+            self.free_group.append(free_index.clone())
             return
         pages = free_index if self.page_size == 1 else torch.unique(free_index // self.page_size)
         self.kvcached.free(pages.tolist())
