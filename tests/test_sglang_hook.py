@@ -495,14 +495,14 @@ def test_a_grouped_free_keeps_the_ids_it_was_given(sgl):
     between must not change what is freed then (SGLang 0.5.18 copies them too)."""
     (_, _), (pool, alloc) = _pools(16)
     kv = pool.kvcached_manager
-    mapped_before = kv.available_size()
+    available_before = kv.available_size()
     kept, freed = _extend(alloc, [40]), _extend(alloc, [40])
     alloc.free_group_begin()
     alloc.free(freed)
     freed.copy_(kept)  # the caller's tensor now names pages still in use
     alloc.free_group_end()
     alloc.free(kept)  # would be a double free had the group freed `kept`'s pages
-    assert kv.available_size() == mapped_before
+    assert kv.available_size() == available_before
 
 
 def test_refused_options(sgl):

@@ -10,9 +10,10 @@ from kvcached.errors import KVCachedConfigError
 from kvcached.integration.sglang import patches, plugin, version
 
 
-@pytest.mark.parametrize("good", ["0.5.17", "0.5.17.post1", "0.5.17rc1.dev3+cu130", "0.5.18"])
-def test_supported_versions(good: str):
-    assert version.check_sglang_version(good)[:3] in {(0, 5, 17), (0, 5, 18)}
+@pytest.mark.parametrize(("good", "release"), [("0.5.17", 17), ("0.5.17.post1", 17), ("0.5.17rc1.dev3+cu130", 17),
+                                               ("0.5.18", 18), ("0.5.18.post2", 18)])
+def test_supported_versions(good: str, release: int):
+    assert version.check_sglang_version(good)[:3] == (0, 5, release)
 
 
 @pytest.mark.parametrize("bad", ["0.5.16", "0.5.19", "0.5.21", "0.4.9", "1.0.0"])
