@@ -36,8 +36,8 @@ install() {
 
 sglang_env() {
   # SGLang's own classes for tests/test_sglang_*.py (its engine does not run on a CPU: docs/sglang.md), one venv per
-  # supported release ($1: 0.5.17 -> .venv-sglang, 0.5.18 -> .venv-sglang-0.5.18). Their pins are a GPU build of torch
-  # (2.11 / 2.13) and CUDA kernels, so each goes into a venv of its own without its dependencies, over the project
+  # supported release ($1: 0.5.17 -> .venv-sglang, 0.5.18 -> .venv-sglang-0.5.18, ...). Their pins are a GPU torch
+  # build (2.11 / 2.13) and CUDA kernels, so each goes into a venv of its own without its dependencies, over the project
   # venv's packages (a .pth puts them after its own); with uv, seconds and ~330 MB.
   local v="$1" venv=.venv-sglang
   [ "$v" = 0.5.17 ] || venv=".venv-sglang-$v"
@@ -124,7 +124,7 @@ case "$job" in
     # kvcached's SGLang hook and attention backend against SGLang's own classes (skipped in the venv below); with
     # pytest arguments (a subset of the suite) only where they are asked for by name
     if [ $# -eq 0 ] || [[ " $* " == *sglang* ]]; then
-      for v in 0.5.17 0.5.18; do  # every SGLang release kvcached/integration/sglang/version.py accepts
+      for v in 0.5.17 0.5.18 0.5.19; do  # every SGLang release kvcached/integration/sglang/version.py accepts
         sglang_env "$v"
         "$SGLANG_VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${KVCACHED_TEST_JOBS:-2}" \
           tests/test_sglang_hook.py tests/test_sglang_backend.py

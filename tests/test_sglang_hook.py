@@ -1,4 +1,4 @@
-"""kvcached's SGLang hook against SGLang's own classes (0.5.17 or 0.5.18: the venv's), on the CPU host backend.
+"""kvcached's SGLang hook against SGLang's own classes (0.5.17 - 0.5.19: the venv's), on the CPU host backend.
 
 SGLang's engine cannot run on this machine (docs/sglang.md), so these tests build what
 its ``KVCacheConfigurator`` builds, SGLang's pools, allocators, radix cache and Triton
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -165,14 +166,20 @@ def _adder(monkeypatch: pytest.MonkeyPatch, cache, alloc, page: int):
 
 def _waiting(cache, rid: str, tokens: list[int]):
     """A request as it waits in SGLang's queue, its cached prefix matched (``init_next_round_input``)."""
-    from array import array
-
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     req = Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=16))
     req.init_next_round_input(cache)
     return req
+
+
+def _finished(slot: int, tokens) -> SimpleNamespace:
+    """A finished request as ``RadixCache.cache_finished_req`` reads it: its KV fields on the request (0.5.17,
+    0.5.18) and under ``req.kv`` (0.5.19 on), no output, nothing of it cached yet."""
+    return SimpleNamespace(req_pool_idx=slot, cache_protected_len=0, origin_input_ids=tokens, output_ids=array("q"),
+                           last_node=None, extra_key=None, cache_salt=None, priority=0,
+                           kv=SimpleNamespace(req_pool_idx=slot, cache_protected_len=0))
 
 
 def _allocate_prefill(cache, alloc, reqs):
@@ -281,8 +288,6 @@ def test_prefill_admission_takes_its_pages_from_the_radix_cache(sgl, page: int, 
     """With the device full, a request whose pages this engine's cached prefixes hold is admitted: the cache gives
     them up at the admission (as SGLang's allocation would a moment later), while the request's own cached prefix
     stays; nothing can take the pages between the admission and the allocation."""
-    from array import array
-
     from sglang.srt.managers.schedule_policy import AddReqResult
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -296,10 +301,7 @@ def test_prefill_admission_takes_its_pages_from_the_radix_cache(sgl, page: int, 
     for slot, tokens in enumerate(prompts.values(), start=1):  # two finished requests, cached
         locs = _extend(alloc, [len(tokens)])
         rtp.req_to_token[slot, :len(tokens)] = locs.to(torch.int32)
-        cache.cache_finished_req(SimpleNamespace(req_pool_idx=slot, origin_input_ids=array("q", tokens),
-                                                 output_ids=array("q"), cache_protected_len=0, last_node=None,
-                                                 extra_key=None, cache_salt=None, priority=0),
-                                 kv_len_to_handle=len(tokens))
+        cache.cache_finished_req(_finished(slot, array("q", tokens)), kv_len_to_handle=len(tokens))
     assert cache.evictable_size() == 1024 + 256
     _fill_device(other_pool, page)
     req = _waiting(cache, "r1", prompts["shared"] + list(range(40000, 40600)))  # a cached prefix + 600 new tokens
@@ -447,18 +449,14 @@ def test_radix_cache_is_bounded(sgl, page: int, monkeypatch: pytest.MonkeyPatch)
         n = 300 + 16 * i
         locs = _extend(alloc, [n])
         rtp.req_to_token[1, :n] = locs.to(torch.int32)
-        req = SimpleNamespace(req_pool_idx=1, origin_input_ids=[1000 * (i + 1) + t for t in range(n)], output_ids=[],
-                              cache_protected_len=0, last_node=None, extra_key=None, cache_salt=None, priority=0)
-        cache.cache_finished_req(req, kv_len_to_handle=n)
+        cache.cache_finished_req(_finished(1, array("q", [1000 * (i + 1) + t for t in range(n)])), kv_len_to_handle=n)
         assert 0 < cache.evictable_size() <= bound
     # what the tree keeps is all that stays allocated: evicted prefixes went back to kvcached
     assert pool.kvcached_manager.num_allocated_blocks() == 1 + cache.evictable_size() // page
     monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")  # unlimited: SGLang's own behaviour
     locs = _extend(alloc, [320])
     rtp.req_to_token[1, :320] = locs.to(torch.int32)
-    cache.cache_finished_req(SimpleNamespace(req_pool_idx=1, origin_input_ids=list(range(320)), output_ids=[],
-                                             cache_protected_len=0, last_node=None, extra_key=None, cache_salt=None,
-                                             priority=0), kv_len_to_handle=320)
+    cache.cache_finished_req(_finished(1, array("q", range(320))), kv_len_to_handle=320)
     assert cache.evictable_size() > bound
 
 
@@ -491,16 +489,20 @@ def test_double_free_raises(sgl):
 
 
 def test_a_grouped_free_keeps_the_ids_it_was_given(sgl):
-    """Within ``free_group_begin``/``end`` the freed ids wait for the group's end; a caller reusing its tensor in
-    between must not change what is freed then (SGLang 0.5.18 copies them too)."""
+    """Within ``free_group_begin``/``end`` the freed ids wait for the group's end (in every supported SGLang: its
+    base class marks a group differently from 0.5.19 on); a caller reusing its tensor in between must not change
+    what is freed then (SGLang 0.5.18 copies them too)."""
     (_, _), (pool, alloc) = _pools(16)
     kv = pool.kvcached_manager
     available_before = kv.available_size()
     kept, freed = _extend(alloc, [40]), _extend(alloc, [40])
+    in_use = kv.available_size()
     alloc.free_group_begin()
     alloc.free(freed)
+    assert kv.available_size() == in_use  # deferred: nothing freed inside the group
     freed.copy_(kept)  # the caller's tensor now names pages still in use
     alloc.free_group_end()
+    assert kv.available_size() == in_use + 3  # 40 tokens: three pages of 16
     alloc.free(kept)  # would be a double free had the group freed `kept`'s pages
     assert kv.available_size() == available_before
 
@@ -656,9 +658,7 @@ def test_radix_cache_yields_on_a_full_device(sgl, page: int, monkeypatch: pytest
     def finish(seed: int, n: int = 320) -> None:
         locs = _extend(alloc, [n])
         rtp.req_to_token[1, :n] = locs.to(torch.int32)
-        cache.cache_finished_req(SimpleNamespace(req_pool_idx=1, origin_input_ids=[seed + t for t in range(n)],
-                                                 output_ids=[], cache_protected_len=0, last_node=None,
-                                                 extra_key=None, cache_salt=None, priority=0), kv_len_to_handle=n)
+        cache.cache_finished_req(_finished(1, array("q", [seed + t for t in range(n)])), kv_len_to_handle=n)
 
     pa = pool.kvcached_manager.page_allocator
     finish(1000)

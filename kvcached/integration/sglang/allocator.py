@@ -4,7 +4,7 @@ SGLang's allocators keep every free page in a device tensor. Here the free list 
 kvcached's: a page index is a kvcached block (``block_size`` = SGLang's page size),
 mapped while it is handed out and given back on free, so memory follows load.
 
-Contract kept with SGLang (0.5.17, 0.5.18):
+Contract kept with SGLang (0.5.17 - 0.5.19):
 - ``alloc*`` return None when the pages cannot be had now (a kvctl limit, another
   engine holding the device): SGLang's scheduler then waits or retracts, as when its
   own pool is full; ``available_size()`` counts what could be mapped now, so the
@@ -103,11 +103,18 @@ class _KvcachedAllocatorMixin:
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         self.free(free_index)  # one unique over the segment: no page-representative bookkeeping
 
+    # The group's state is kvcached's own: SGLang's base class marks a group with a flag up to 0.5.18 and with
+    # ``free_group is None`` from 0.5.19, and its ``free_group_begin`` of one release would leave ``free`` of the
+    # other freeing at once inside a group.
     def free_group_begin(self) -> None:
-        BaseTokenToKVPoolAllocator.free_group_begin(self)  # type: ignore[arg-type]
+        self.is_not_in_free_group = False
+        self.free_group = []
 
     def free_group_end(self) -> None:
-        BaseTokenToKVPoolAllocator.free_group_end(self)  # type: ignore[arg-type]
+        pending, self.free_group = self.free_group, []
+        self.is_not_in_free_group = True
+        if pending:
+            self.free(torch.cat(pending))
 
 
 class KvcachedTokenToKVPoolAllocator(_KvcachedAllocatorMixin, TokenToKVPoolAllocator):

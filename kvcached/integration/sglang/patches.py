@@ -1,4 +1,4 @@
-"""The hooks that put kvcached under an SGLang engine (0.5.17 and 0.5.18; applied once per process).
+"""The hooks that put kvcached under an SGLang engine (0.5.17 - 0.5.19; applied once per process).
 
 Hook points (all in SGLang's installed source):
 - ``sglang/srt/mem_cache/kv_cache_configurator.py`` builds every KV pool and allocator
