@@ -17,7 +17,7 @@ imp() { python3 -c "import vllm.entrypoints.openai.api_server"; }
 since() { awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $1 }"; }
 one() { local s=$EPOCHREALTIME; imp; echo "$1: one import $(since "$s") s"; }
 three() { local s=$EPOCHREALTIME; imp & imp & imp & wait; echo "$1: three at once $(since "$s") s"; }
-one "before, 1st"; one "before, 2nd"; three "before"
+one "before"; three "before"
 s=$EPOCHREALTIME; python3 -m compileall -q -j 0 /tmp/vllm-bundle-site /tmp/serve-site >/dev/null 2>&1
 echo "compileall $(since "$s") s"
-one "after, 1st"; one "after, 2nd"; three "after"
+one "after"; three "after"
