@@ -759,7 +759,7 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
     for policy, res in results.items():
         for call in res["calls"]:
             ready = {m: round(t, 1) for m, t in (call.get("engine_ready_s") or {}).items()}
-            # the segments left: after the last call's exit (each call's engines are gone before the next starts)
+            # the segments left after exit, every call's together (merged): written once, on the last call's line
             last = call is res["calls"][-1]
             left = f"; kvcached segments left after exit: {res.get('segments_left')}" if last else ""
             lines.append(f"- {policy}{_call_tag(res, call)}: ready after {ready} s; "

@@ -124,7 +124,9 @@ case "$job" in
     # kvcached's SGLang hook and attention backend against SGLang's own classes (skipped in the venv below); with
     # pytest arguments (a subset of the suite) only where they are asked for by name
     if [ $# -eq 0 ] || [[ " $* " == *sglang* ]]; then
-      for v in 0.5.17 0.5.18 0.5.19; do  # every SGLang release kvcached/integration/sglang/version.py accepts
+      # every release the version gate is built from (kvcached/integration/sglang/version.py), a venv each
+      releases=$("$PY" -c 'from kvcached.integration.sglang.version import TESTED_RELEASES as r; print(*r)')
+      for v in $releases; do
         sglang_env "$v"
         "$SGLANG_VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${KVCACHED_TEST_JOBS:-2}" \
           tests/test_sglang_hook.py tests/test_sglang_backend.py
