@@ -23,7 +23,7 @@ from kvcached import config, limits, pool_registry, vmm_ops
 from kvcached.compat import PageAllocatorView
 from kvcached.deferred_free import DeferredFree
 from kvcached.errors import KVCachedConfigError, KVCachedStateError, KVCachePoolExhausted
-from kvcached.layout import KVGeometry, KVSpec
+from kvcached.layout import KVGeometry, KVSpec, Layout
 from kvcached.utils import get_kvcached_logger
 
 logger = get_kvcached_logger()
@@ -68,6 +68,7 @@ class KVCacheManager:
         group_id: which ``create_kv_tensors`` group the blocks live in.
         deferred_free: give freed blocks back only once the device work launched before
             the free has run (see :mod:`kvcached.deferred_free`); None: on for GPU backends.
+        layout: the group's layout when it has its own (``create_kv_tensors(layout=...)``); None: the runtime's.
 
     Promises: a block id returned by :meth:`alloc` (or held by
     :meth:`try_to_reserve`) is backed by physical memory mapped at that moment;
@@ -79,7 +80,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
                  pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
                  num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None,
-                 tp_size: int | None = None, deferred_free: bool | None = None) -> None:
+                 tp_size: int | None = None, deferred_free: bool | None = None,
+                 layout: Layout | str | None = None) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("cell_size", cell_size),
                             ("num_layers", num_layers)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -109,8 +111,9 @@ class KVCacheManager:
         self.page_size = rt.page_size
         # Blocks per page and bytes per page index come from the layout module (a token of one
         # layer's K or V is cell_size opaque bytes); it refuses blocks that would straddle pages.
+        self.layout = rt.layout if layout is None else Layout.parse(layout)
         geom = KVGeometry(KVSpec(num_layers, num_blocks, block_size, 1, cell_size, torch.uint8, num_kv_buffers),
-                          rt.layout, rt.page_size)
+                          self.layout, rt.page_size)
         self.blocks_per_page = geom.blocks_per_page
         self.num_pages = geom.num_pages
         self.page_group_bytes = geom.page_group_bytes
@@ -179,11 +182,12 @@ class KVCacheManager:
         with vmm_ops._lock:
             group = vmm_ops.get_group(self.group_id)
             geom = group.geometry
-            if geom.spec.num_layers != self.num_layers or geom.spec.kv_factor != self.num_kv_buffers:
+            if (geom.spec.num_layers, geom.spec.kv_factor, geom.layout) != (self.num_layers, self.num_kv_buffers,
+                                                                             self.layout):
                 raise KVCachedConfigError(
-                    f"KVCacheManager(num_layers={self.num_layers}, num_kv_buffers={self.num_kv_buffers}) does not "
-                    f"match the KV tensors of group {self.group_id} ({geom.spec.num_layers} layers, "
-                    f"{geom.spec.kv_factor} K/V buffers)."
+                    f"KVCacheManager(num_layers={self.num_layers}, num_kv_buffers={self.num_kv_buffers}, "
+                    f"layout={self.layout.value}) does not match the KV tensors of group {self.group_id} "
+                    f"({geom.spec.num_layers} layers, {geom.spec.kv_factor} K/V buffers, {geom.layout.value})."
                 )
             if self.num_pages > geom.num_pages:
                 raise KVCachedConfigError(
@@ -523,7 +527,7 @@ class KVCacheManager:
         return PoolUsage(used=int(alloc.num_in_use) * self.page_group_bytes,
                          prealloc=int(alloc.num_reserved) * self.page_group_bytes,
                          capacity=self.num_pages * self.page_group_bytes, device_total=self.device_total,
-                         layout=rt.layout.value,
+                         layout=self.layout.value,
                          device="tp" if rt.choice.kind == "null" else rt.device,  # a TP engine's ranks map it
                          peak=int(alloc.peak_in_use) * self.page_group_bytes,
                          pages_mapped=int(alloc.pages_mapped_total), pages_unmapped=int(alloc.pages_unmapped_total))

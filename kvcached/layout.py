@@ -380,3 +380,105 @@ def sglang_paged_kv(bases: list[torch.Tensor], geom: KVGeometry, layer: int,
 def allocate_plain(geom: KVGeometry, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Ordinary (non-VMM) base tensors with the layout's sizes: for tests and kernels' users."""
     return [torch.empty(geom.tensor_bytes, dtype=torch.uint8, device=device) for _ in range(geom.num_tensors)]
+
+
+# -- recurrent state slots (Mamba / GDN) -------------------------------------
+STATE_ALIGN = 256  # each state array of a slot starts 256-B aligned, as a fresh allocation would
+
+
+@dataclass(frozen=True)
+class StateSlots:
+    """Where the recurrent states of a hybrid model's Mamba/linear-attention layers live, a slot per request.
+
+    Slot-major, in the order of SGLang's envelope layout: slot ``s`` owns the bytes
+    ``[s * slot_bytes, (s + 1) * slot_bytes)`` of one virtual tensor, holding each state array of
+    every layer (``[array 0 of layer 0..L-1][array 1 of layer 0..L-1]...``, each array
+    ``STATE_ALIGN``-aligned). So a slot is one byte range, and the pages under it map when the slot
+    is handed out. ``slot_bytes`` is a power-of-two fraction of the page (several slots a page) or
+    a whole number of pages (``cells`` pages a slot), never a page and a bit: no slot straddles a
+    page it does not own. That padding costs less than a page a slot (SGLang's slot of Qwen3-Next
+    at TP 1 is ~74 MiB) or, for states under a page, up to 2x of a small slot.
+
+    In :class:`KVGeometry` terms a slot is a block of one token, ``cells`` layers of ``cell_bytes``
+    each, in the contiguous layout (which places a block's layers side by side): the allocator and
+    its manager then hand out slots as they hand out KV blocks.
+    """
+
+    arrays: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # (shape, dtype) of one layer's array
+    num_layers: int
+    page_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers <= 0:
+            raise KVCachedConfigError(f"num_layers must be a positive int, got {self.num_layers!r}.")
+        if self.page_size <= 0 or self.page_size % (2 << 20):
+            raise KVCachedConfigError(f"page size {self.page_size} B is not a positive multiple of 2 MiB.")
+        if not self.arrays:
+            raise KVCachedConfigError("a state slot needs at least one array.")
+        for shape, dtype in self.arrays:
+            if not shape or any(not isinstance(d, int) or d <= 0 for d in shape):
+                raise KVCachedConfigError(f"state array shape {shape!r} must be positive ints.")
+            if not isinstance(dtype, torch.dtype):
+                raise KVCachedConfigError(f"state array dtype {dtype!r} is not a torch dtype.")
+
+    def _layer_bytes(self, i: int) -> int:
+        shape, dtype = self.arrays[i]
+        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Byte offset of each array's layer 0 within a slot."""
+        out, at = [], 0
+        for i in range(len(self.arrays)):
+            at = -(-at // STATE_ALIGN) * STATE_ALIGN
+            out.append(at)
+            at += self.num_layers * self._layer_bytes(i)
+        return tuple(out)
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes a slot's states take, before the padding to ``slot_bytes``."""
+        return self.offsets[-1] + self.num_layers * self._layer_bytes(len(self.arrays) - 1)
+
+    @property
+    def cell_bytes(self) -> int:
+        if self.entry_bytes > self.page_size:
+            return self.page_size
+        cell = self.page_size
+        while cell // 2 >= self.entry_bytes and (cell // 2) % STATE_ALIGN == 0:
+            cell //= 2
+        return cell
+
+    @property
+    def cells(self) -> int:
+        return -(-self.entry_bytes // self.cell_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.cells * self.cell_bytes
+
+    def geometry(self, num_slots: int) -> KVGeometry:
+        """The allocator's view: ``num_slots`` one-token blocks of ``cells`` layers of ``cell_bytes``."""
+        spec = KVSpec(self.cells, num_slots, 1, 1, self.cell_bytes, torch.uint8, 1)
+        return KVGeometry(spec, Layout.CONTIGUOUS, self.page_size)
+
+
+def state_views(base: torch.Tensor, slots: StateSlots, num_slots: int) -> list[torch.Tensor]:
+    """Each state array as ``[num_layers, num_slots, *shape]`` over ``base`` (the slots' 1-D uint8 tensor),
+    zero-copy: inner dims dense, the slot dim strided by ``slot_bytes`` (kernels that take a slot stride,
+    as SGLang's do for its own envelope layout, read it as SGLang's dense tensors)."""
+    if base.dtype != torch.uint8 or base.dim() != 1:
+        raise ValueError(f"state base tensor must be 1-D uint8, got {base.dtype} {tuple(base.shape)}.")
+    if base.numel() < num_slots * slots.slot_bytes:
+        raise ValueError(f"base tensor of {base.numel()} B is smaller than {num_slots} slots of "
+                         f"{slots.slot_bytes} B.")
+    views = []
+    for i, (offset, (shape, dtype)) in enumerate(zip(slots.offsets, slots.arrays, strict=True)):
+        item = torch.empty((), dtype=dtype).element_size()
+        inner = [1]
+        for d in reversed(shape[1:]):
+            inner.insert(0, inner[0] * d)
+        stride = (slots._layer_bytes(i) // item, slots.slot_bytes // item, *inner)
+        views.append(torch.as_strided(base.view(dtype), (slots.num_layers, num_slots, *shape), stride,
+                                      offset // item))
+    return views

@@ -315,14 +315,17 @@ def _zero_chunk(backend: _vmm.Backend, geom: KVGeometry) -> int:
 
 
 def create_kv_tensors(size: int, dtype_size: int, dev_str: str, num_layers: int, num_kv_buffers: int = 2,
-                      group_id: int = 0, unified_pool: bool = False) -> list[torch.Tensor]:
+                      group_id: int = 0, unified_pool: bool = False,
+                      layout: Layout | str | None = None) -> list[torch.Tensor]:
     """Reserve the virtual KV tensors of ``group_id``; return them as 1-D uint8 tensors.
 
     ``size`` is the bytes of one layer (K and V together, i.e. ``num_kv_buffers``
     halves), a multiple of ``num_kv_buffers * page_size``. Contiguous layout: one
     tensor of ``num_layers * size`` bytes; per-layer: ``num_layers`` tensors of
     ``size`` bytes. ``unified_pool`` keeps K and V of a block together (one buffer).
-    Nothing is physically mapped yet: every page reads as zeros.
+    Nothing is physically mapped yet: every page reads as zeros. ``layout`` (None: the
+    runtime's) gives this group a layout of its own: recurrent state slots are always
+    contiguous (:class:`kvcached.layout.StateSlots`).
     """
     with _lock:
         rt = runtime()
@@ -349,7 +352,8 @@ def create_kv_tensors(size: int, dtype_size: int, dev_str: str, num_layers: int,
             raise KVCachedStateError(
                 f"KV tensors of group {group_id} already exist; use another group_id or shut down first."
             )
-        geom = page_geometry(num_layers, size // (kv * rt.page_size), rt.page_size, kv, rt.layout)
+        geom = page_geometry(num_layers, size // (kv * rt.page_size), rt.page_size, kv,
+                             rt.layout if layout is None else Layout.parse(layout))
         vtensors = [_vmm.VirtualTensor(rt.backend, geom.tensor_bytes, geom.unit_bytes, _zero_chunk(rt.backend, geom))
                     for _ in range(geom.num_tensors)]
         tensors = [torch.from_dlpack(vt.to_dlpack()) for vt in vtensors]

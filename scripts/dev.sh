@@ -129,7 +129,7 @@ case "$job" in
       for v in $releases; do
         sglang_env "$v"
         "$SGLANG_VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${KVCACHED_TEST_JOBS:-2}" \
-          tests/test_sglang_hook.py tests/test_sglang_backend.py
+          tests/test_sglang_hook.py tests/test_sglang_backend.py tests/test_sglang_mamba.py
         echo "dev.sh test: the SGLang $v tests took $((SECONDS - t0)) s"; t0=$SECONDS
       done
     fi

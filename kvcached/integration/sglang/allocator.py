@@ -31,9 +31,31 @@ from sglang.srt.mem_cache.allocator import (
 from sglang.srt.utils import get_num_new_pages, next_power_of_2
 
 from kvcached.integration.sglang.pools import manager_of
+from kvcached.kv_cache_manager import KVCacheManager
 
 
-class _KvcachedAllocatorMixin:
+class Holds:
+    """Blocks kept mapped in kvcached for an allocation to come (KV pages, Mamba slots), so another engine
+    cannot take them between SGLang's check and its allocation; the next ``kvcached.alloc`` hands them out."""
+
+    kvcached: KVCacheManager
+
+    def hold(self, blocks: int) -> bool:
+        """Hold ``blocks`` in all; False (nothing more held) if the rest cannot be had now."""
+        short = int(blocks) - self.held
+        return short <= 0 or self.kvcached.try_to_reserve(short)
+
+    @property
+    def held(self) -> int:
+        """kvcached's reserved blocks (the allocator is the only one reserving in its pool)."""
+        return self.kvcached.num_reserved_blocks
+
+    def release_held(self) -> None:
+        """Give back every block :meth:`hold` kept."""
+        if self.held:
+            self.kvcached.free_reserved()
+
+class _KvcachedAllocatorMixin(Holds):
     """The parts both page sizes share; ``self`` is also a ``BaseTokenToKVPoolAllocator``."""
 
     size: int
@@ -63,21 +85,7 @@ class _KvcachedAllocatorMixin:
     def merge_and_sort_free(self) -> None:
         """Nothing to merge: freed pages go back to kvcached at once."""
 
-    def hold(self, pages: int) -> bool:
-        """Keep ``pages`` pages reserved in kvcached for the next allocation, so another engine cannot take them
-        between SGLang's check and its allocation; False (nothing more held) if they cannot be had now."""
-        short = int(pages) - self.held_pages
-        return short <= 0 or self.kvcached.try_to_reserve(short)
-
-    @property
-    def held_pages(self) -> int:
-        """Pages :meth:`hold` keeps: kvcached's reserved blocks (this allocator is the only one reserving)."""
-        return self.kvcached.num_reserved_blocks
-
-    def release_held(self) -> None:
-        """Give back every page :meth:`hold` kept."""
-        if self.held_pages:
-            self.kvcached.free_reserved()
+    held_pages = Holds.held
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
         ids = self.kvcached.alloc(int(n))  # held pages first

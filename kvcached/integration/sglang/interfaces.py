@@ -14,7 +14,7 @@ from kvcached import observability, pool_registry, vmm_ops
 from kvcached.errors import KVCachedConfigError, KVCachedStateError
 from kvcached.integration.vllm.interfaces import _default_device, virtual_bytes_per_kv
 from kvcached.kv_cache_manager import KVCacheManager
-from kvcached.layout import KVSpec, engine_pages_per_page, mla_view, sglang_buffers, token_major_geometry
+from kvcached.layout import KVSpec, Layout, engine_pages_per_page, mla_view, sglang_buffers, token_major_geometry
 from kvcached.utils import get_kvcached_logger, normalize_gpu_device
 
 logger = get_kvcached_logger()
@@ -103,9 +103,9 @@ def alloc_kv_cache(kvcache_shape: tuple[int, ...], dtype: torch.dtype, device: s
 
 def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_layers: int,
                          reserve_null_block: bool = True, num_kv_buffers: int = 2, group_id: int = 0,
-                         pool_name: str | None = None) -> KVCacheManager:
+                         pool_name: str | None = None, layout: Layout | None = None) -> KVCacheManager:
     """Token-slot allocator: blocks of ``block_size`` tokens (SGLang's page size) of ``cell_size`` bytes
-    per token and layer; block 0 is SGLang's padding slot (page)."""
+    per token and layer; block 0 is SGLang's padding slot (page). ``layout``: the group's own, if it has one."""
     if not _kvcached_initialized or not vmm_ops.is_initialized():
         raise KVCachedStateError("kvcached is not initialized; call init_kvcached() first.")
     token_bytes = _token_bytes.get(group_id) if vmm_ops.kv_tensors_created(group_id) else None
@@ -118,6 +118,6 @@ def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_l
         )
     manager = KVCacheManager(num_blocks, block_size, cell_size, num_layers, _world_size, pp_rank=_pp_rank,
                              async_sched=_async_sched, reserve_null_block=reserve_null_block,
-                             num_kv_buffers=num_kv_buffers, group_id=group_id, pool_name=pool_name)
+                             num_kv_buffers=num_kv_buffers, group_id=group_id, pool_name=pool_name, layout=layout)
     pool_registry.register_kv_cache_pool(manager, integration=INTEGRATION)
     return manager

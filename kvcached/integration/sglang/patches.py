@@ -1,6 +1,10 @@
 """The hooks that put kvcached under an SGLang engine (0.5.17 - 0.5.19; applied once per process).
 
 Hook points (all in SGLang's installed source):
+- ``HybridReqToTokenPool.mamba_pool_cls`` and ``_init_mamba_pool``: a hybrid model's Mamba states and their slot
+  allocator are kvcached's (:mod:`mamba`); ``Req.init_next_round_input`` in a prefill pass first holds the slots
+  the pass will allocate for the request (SGLang asserts on one it cannot get), and a request whose slots cannot
+  be had is matched without the copy-on-write of a cached state and not admitted;
 - ``sglang/srt/mem_cache/kv_cache_configurator.py`` builds every KV pool and allocator
   from names it imported: ``MHATokenToKVPool`` / ``MLATokenToKVPool`` /
   ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` there become kvcached's
@@ -74,12 +78,14 @@ def _patch_pool_classes() -> None:
     cfg.MLATokenToKVPool = pools.KvcachedMLATokenToKVPool
     cfg.TokenToKVPoolAllocator = allocator.KvcachedTokenToKVPoolAllocator
     cfg.PagedTokenToKVPoolAllocator = allocator.KvcachedPagedTokenToKVPoolAllocator
+    _patch_mamba_pool()
 
     def checked_init_pools(original: Any) -> Any:
         def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
             check_layout_features(pools.contiguous_layout(), cfg.get_memory(), cfg.get_disagg(), cfg.get_spec())
             result = original(self, *args, **kwargs)
             check_pools(result.token_to_kv_pool, result.token_to_kv_pool_allocator)
+            check_state_pool(getattr(result, "req_to_token_pool", None))
             return result
 
         return _init_pools
@@ -132,6 +138,88 @@ def check_pools(pool: Any, token_allocator: Any) -> None:
             "linear attention's MHA pool). Unset ENABLE_KVCACHED for this model or option."
         )
     pools.manager_of(pool)
+
+
+def _patch_mamba_pool() -> None:
+    """Hybrid models' Mamba states come from kvcached (:mod:`mamba`): SGLang's ``HybridReqToTokenPool`` builds
+    its state pool from ``mamba_pool_cls`` and then a slot allocator, which becomes kvcached's."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    from kvcached.integration.sglang import mamba
+
+    HybridReqToTokenPool.mamba_pool_cls = mamba.KvcachedMambaPool
+
+    def with_kvcached_slots(original: Any) -> Any:
+        def _init_mamba_pool(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if isinstance(self.mamba_pool, mamba.KvcachedMambaPool):
+                self.mamba_allocator = mamba.KvcachedMambaSlotAllocator(self.mamba_pool, self.device)
+            return result
+
+        return _init_mamba_pool
+
+    wrap_once(HybridReqToTokenPool, "_init_mamba_pool", with_kvcached_slots)
+
+
+def check_state_pool(req_to_token_pool: Any) -> None:
+    """KVCachedConfigError if a hybrid model's Mamba states are not kvcached's (a pool class SGLang chose
+    instead of ``mamba_pool_cls``): their memory would be a static share beside kvcached's."""
+    from kvcached.integration.sglang import mamba
+
+    pool = getattr(req_to_token_pool, "mamba_pool", None)
+    if pool is None:
+        return
+    if not isinstance(pool, mamba.KvcachedMambaPool) or not isinstance(
+            getattr(req_to_token_pool, "mamba_allocator", None), mamba.KvcachedMambaSlotAllocator):
+        raise KVCachedConfigError(
+            f"this SGLang configuration keeps Mamba states in {type(pool).__name__}, which kvcached does not "
+            "provide. Unset ENABLE_KVCACHED for this model or option."
+        )
+
+
+def state_slots_of(req_to_token_pool: Any) -> Any:
+    """kvcached's Mamba slot allocator behind ``req_to_token_pool``, or None (not a hybrid model's pool)."""
+    from kvcached.integration.sglang import mamba
+
+    slots = getattr(req_to_token_pool, "mamba_allocator", None)
+    return slots if isinstance(slots, mamba.KvcachedMambaSlotAllocator) else None
+
+
+def state_slots_needed(req_to_token_pool: Any, req: Any) -> int:
+    """Mamba slots a prefill pass allocates for ``req``: its state slot (taken by the copy-on-write of a cached
+    prefix's state, or else by ``HybridReqToTokenPool.alloc``) and its ping-pong track slots."""
+    kv = getattr(req, "kv", None)
+    state = kv if hasattr(kv, "mamba_pool_idx") else req  # SGLang 0.5.19 moved them under ``req.kv``
+    need = 1 if state.mamba_pool_idx is None else 0
+    if req_to_token_pool.enable_mamba_extra_buffer and state.mamba_ping_pong_track_buffer is None:
+        need += 1 if req_to_token_pool.enable_mamba_extra_buffer_lazy else (
+            req_to_token_pool.mamba_ping_pong_track_buffer_size)
+    return need
+
+
+def holding_state_slots(original: Any) -> Any:
+    """``Req.init_next_round_input`` that, in a prefill pass, first holds the Mamba slots the pass will allocate
+    for the request (the copy-on-write of a cached state is the first, inside this very call): SGLang asserts on
+    a slot it cannot get. Where they cannot be had, even after this engine's radix cache gives up cached states,
+    the request is matched without the copy and marked; ``add_one_req`` then does not admit it (it waits)."""
+
+    def init_next_round_input(self: Any, tree_cache: Any = None, cow_mamba: Any = None) -> Any:
+        pool = getattr(tree_cache, "req_to_token_pool", None)
+        slots = state_slots_of(pool)
+        self._kvcached_no_state_slot = False
+        if slots is not None and slots.in_prefill_pass:
+            need = state_slots_needed(pool, self)
+            if need and not slots.hold(slots.held_slots + need):
+                if tree_cache.supports_mamba():
+                    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+                    tree_cache.evict(EvictParams(num_tokens=0, mamba_num=need))
+                if not slots.hold(slots.held_slots + need):
+                    self._kvcached_no_state_slot = True
+                    cow_mamba = False
+        return original(self, tree_cache, cow_mamba)
+
+    return init_next_round_input
 
 
 def yield_if_tight(cache: Any) -> int:
@@ -212,9 +300,11 @@ def holding_decode_check(original: Any) -> Any:
 
 
 def _patch_prefill_admission() -> None:
+    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.schedule_policy import PrefillAdder
     from sglang.srt.managers.scheduler import Scheduler
 
+    wrap_once(Req, "init_next_round_input", holding_state_slots)
     wrap_once(PrefillAdder, "add_one_req", holding_admission)
     wrap_once(PrefillAdder, "add_chunked_req", holding_chunk)
     wrap_once(Scheduler, "_get_new_batch_prefill_raw", releasing_prefill_holds)
@@ -246,6 +336,8 @@ def holding_admission(original: Any) -> Any:
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     def add_one_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(req, "_kvcached_no_state_slot", False):  # see holding_state_slots
+            return AddReqResult.NO_TOKEN
         if isinstance(self.token_to_kv_pool_allocator, _kvcached_allocators()):
             extend = self.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
             if not hold_prefill(self, req, extend + self.page_size):
@@ -285,12 +377,18 @@ def releasing_prefill_holds(original: Any) -> Any:
             # it: with nothing running that never comes, yet here memory comes back without this engine (another
             # engine frees it, a kvctl limit is raised), so an idle engine asks again at every pass
             running.batch_is_full = False
+        slots = state_slots_of(getattr(self, "req_to_token_pool", None))
         alloc.in_prefill_pass = True
+        if slots is not None:
+            slots.in_prefill_pass = True
         try:
             return original(self, *args, **kwargs)
         finally:
             alloc.in_prefill_pass = False
             alloc.release_held()
+            if slots is not None:
+                slots.in_prefill_pass = False
+                slots.release_held()
 
     return _get_new_batch_prefill_raw
 

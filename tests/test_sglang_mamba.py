@@ -1,0 +1,269 @@
+"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.19), on the CPU.
+
+SGLang's ``HybridReqToTokenPool`` is built as its configurator builds it, once with kvcached's hooks and
+once plain; the states must read, write and copy as SGLang's own do, a slot's pages must be mapped only
+while SGLang holds it, and a request whose slots cannot be had must wait, never reach SGLang's assertion.
+"""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcached.layout import StateSlots
+from tests.sglang_support import exact_mapping_env, sglang_missing
+
+MISSING = sglang_missing()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+MiB = 1 << 20
+# (intermediate size, SSM heads, head dim, state size, layers): a slot of 136 KiB (several a page), of
+# 1.03 MiB (one a page) and of 3.1 MiB (two pages a slot, as real models' slots span pages)
+SIZES = {"small": (256, 8, 32, 64, 2), "page": (256, 8, 64, 128, 4), "pages": (256, 8, 64, 128, 12)}
+
+
+@pytest.fixture(params=[True, False], ids=["contiguous", "per_layer"])
+def sgl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    exact_mapping_env(monkeypatch, request.param, host_mb=128)
+    from kvcached.integration.sglang import interfaces, patches
+
+    patches.apply()
+    yield request.param
+    interfaces.shutdown_kvcached()
+
+
+def _params(size: str = "small"):
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+
+    inter, heads, dim, state, layers = SIZES[size]
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=inter, n_groups=1, num_heads=heads,
+                                    head_dim=dim, state_size=state, conv_kernel=4)
+    return Mamba2CacheParams(shape=shape, layers=list(range(0, 2 * layers, 2)),
+                             dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+
+
+def _hybrid(params, mamba_size: int = 24, extra_buffer: bool = False):
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    return HybridReqToTokenPool(size=8, mamba_size=mamba_size, mamba_spec_state_size=8, max_context_len=64,
+                                device="cpu", enable_memory_saver=False, cache_params=params,
+                                mamba_layer_ids=params.layers, enable_mamba_extra_buffer=extra_buffer)
+
+
+def _plain_states(params, mamba_size: int = 24):
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    return MambaPool(size=mamba_size, spec_state_size=8, cache_params=params, mamba_layer_ids=params.layers,
+                     device="cpu")
+
+
+def _state(req):
+    """A request's Mamba fields: on the request up to SGLang 0.5.18, under ``req.kv`` from 0.5.19."""
+    return req.kv if hasattr(req.kv, "mamba_pool_idx") else req
+
+
+def _waiting() -> SimpleNamespace:
+    """A waiting request's Mamba fields, where every release reads them (``req.kv`` is the request itself)."""
+    req = SimpleNamespace(mamba_pool_idx=None, mamba_ping_pong_track_buffer=None)
+    req.kv = req
+    return req
+
+
+def _slots_of(pool) -> StateSlots:
+    from kvcached import vmm_ops
+
+    c = pool.mamba_pool.mamba_cache
+    arrays = (*((tuple(t.shape[2:]), t.dtype) for t in c.conv), (tuple(c.temporal.shape[2:]), c.temporal.dtype))
+    return StateSlots(arrays, c.temporal.shape[0], vmm_ops.runtime().page_size)
+
+
+def test_hybrid_models_states_come_from_kvcached(sgl):
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MambaPool
+
+    from kvcached.errors import KVCachedConfigError
+    from kvcached.integration.sglang import mamba, patches
+
+    params = _params()
+    pool, plain = _hybrid(params), _plain_states(params)
+    assert isinstance(pool.mamba_pool, mamba.KvcachedMambaPool) and isinstance(pool.mamba_pool, MambaPool)
+    assert isinstance(pool.mamba_allocator, mamba.KvcachedMambaSlotAllocator)
+    ours, theirs = pool.mamba_pool.mamba_cache, plain.mamba_cache
+    for a, b in zip([*ours.conv, ours.temporal], [*theirs.conv, theirs.temporal], strict=True):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        assert a.stride()[0] < b.stride()[0] and a.stride()[2:] == b.stride()[2:]  # slot-major, rows dense
+    patches.check_state_pool(pool)
+    patches.check_state_pool(SimpleNamespace())  # not a hybrid model: nothing to check
+    with pytest.raises(KVCachedConfigError, match="keeps Mamba states in MambaPool"):
+        patches.check_state_pool(SimpleNamespace(mamba_pool=plain, mamba_allocator=pool.mamba_allocator))
+
+    class SGLangsOwn(HybridReqToTokenPool):  # a release whose pool picks its own state class
+        mamba_pool_cls = MambaPool
+
+    own = SGLangsOwn(size=8, mamba_size=24, mamba_spec_state_size=8, max_context_len=64, device="cpu",
+                     enable_memory_saver=False, cache_params=params, mamba_layer_ids=params.layers,
+                     enable_mamba_extra_buffer=False)
+    with pytest.raises(KVCachedConfigError, match="keeps Mamba states in MambaPool"):
+        patches.check_state_pool(own)
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_states_read_write_and_copy_as_sglangs(sgl, size: str):
+    """Every (array, layer, slot) written through kvcached's views reads back as through SGLang's dense tensors,
+    after SGLang's own copy (copy-on-write of a cached state) and clear: no two slots or layers share a byte."""
+    params = _params(size)
+    pool, plain = _hybrid(params), _plain_states(params)
+    ids = pool.mamba_allocator.alloc(6)
+    assert ids is not None and 0 not in ids.tolist()
+    gen = torch.Generator().manual_seed(1)
+    for p in (pool.mamba_pool, plain):
+        gen.manual_seed(1)
+        c = p.mamba_cache
+        for t in [*c.conv, c.temporal]:
+            t[:, ids] = torch.randn(t[:, ids].shape, generator=gen).to(t.dtype)
+    src, dst = ids[:2], ids[4:]
+    for p in (pool.mamba_pool, plain):
+        p.copy_from(src, dst)
+        p.clear_slots(ids[2:3])
+    ours, theirs = pool.mamba_pool.mamba_cache, plain.mamba_cache
+    for a, b in zip([*ours.conv, ours.temporal], [*theirs.conv, theirs.temporal], strict=True):
+        assert b[:, ids].abs().sum() > 0
+        assert torch.equal(a[:, ids], b[:, ids])
+        assert torch.equal(a[:, dst], a[:, src]) and not a[:, ids[2]].any()
+    for i, layer in enumerate(params.layers):  # what a layer's kernels get: SGLang's per-layer view
+        got, want = pool.mamba2_layer_cache(layer), plain.mamba2_layer_cache(i)
+        assert torch.equal(got.temporal[ids], want.temporal[ids]) and torch.equal(got.conv[0][ids], want.conv[0][ids])
+    cpu = pool.mamba_pool.get_cpu_copy(ids[:3])
+    pool.mamba_pool.clear_slots(ids[:3])
+    pool.mamba_pool.load_cpu_copy(cpu, ids[:3])
+    assert torch.equal(ours.temporal[:, ids[:3]], theirs.temporal[:, ids[:3]])
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_a_slots_pages_are_mapped_while_sglang_holds_it(sgl, size: str, eventually):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    pool = _hybrid(_params(size))
+    slots = _slots_of(pool)
+    kv = pool.mamba_pool.kvcached_manager
+    per_page = max(1, slots.page_size // slots.slot_bytes)
+    assert (slots.cells > 1) == (size == "pages") and (per_page > 1) == (size == "small")
+
+    def pages(n_slots: int) -> int:  # the dummy slot 0 and n_slots after it
+        return -(-(n_slots + 1) // per_page) * kv.page_group_bytes
+
+    idle = kv.mapped_bytes
+    assert idle == pages(0)
+    reqs = [Req(f"r{i}", "", array("q", [1, 2, 3]), SamplingParams(max_new_tokens=4)) for i in range(8)]
+    assert pool.alloc(reqs) is not None  # SGLang's own request-slot allocation: a Mamba slot each
+    assert sorted(int(_state(r).mamba_pool_idx) for r in reqs) == list(range(1, 9))
+    assert kv.mapped_bytes == pages(8)
+    for r in reqs:
+        pool.free_mamba_cache(r)
+        pool.free(r)
+    assert kv.mapped_bytes == idle
+    # every slot can be had again (advisory: pages just unmapped count until the backend's thread released them)
+    assert eventually(lambda: pool.mamba_allocator.available_size() == 24)
+
+
+def test_freeing_a_slot_twice_raises(sgl):
+    pool = _hybrid(_params())
+    ids = pool.mamba_allocator.alloc(2)
+    pool.mamba_allocator.free(ids[:1])
+    with pytest.raises(ValueError, match="freed twice or were never handed out"):
+        pool.mamba_allocator.free(ids)  # nothing freed: the live one stays
+    assert set(pool.mamba_allocator.free_slots.tolist()) == set(range(1, 25)) - {int(ids[1])}
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.mamba_allocator.free(torch.tensor([7]))
+
+
+@pytest.mark.parametrize("option", ["speculative_num_draft_tokens", "envelope_layout", "enable_linear_replayssm"])
+def test_options_the_state_pool_cannot_serve_are_refused(sgl, option: str):
+    from kvcached.errors import KVCachedConfigError
+    from kvcached.integration.sglang.mamba import KvcachedMambaPool
+
+    params = _params()
+    with pytest.raises(KVCachedConfigError, match="Mamba pool does not support"):
+        KvcachedMambaPool(size=8, spec_state_size=8, cache_params=params, mamba_layer_ids=params.layers,
+                          device="cpu", **{option: 4 if option.startswith("spec") else True})
+
+
+@pytest.mark.parametrize("extra_buffer", [False, True], ids=["plain", "ping_pong"])
+def test_a_request_whose_slots_cannot_be_had_waits(sgl, extra_buffer: bool):
+    """In a prefill pass each request's slots are held before SGLang's prefix match (whose copy-on-write takes
+    the first) and its allocation; where they cannot be had even after the radix cache gives up cached states,
+    the request is matched without the copy and not admitted (SGLang would assert). The holds end with the pass."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from kvcached.integration.sglang import patches
+
+    pool = _hybrid(_params("page"), extra_buffer=extra_buffer)  # one slot a page
+    kv = pool.mamba_pool.kvcached_manager
+    slots = pool.mamba_allocator
+    need = 1 + (pool.mamba_ping_pong_track_buffer_size if extra_buffer else 0)
+    cached = [slots.alloc(need)]  # states the radix cache keeps, one request's worth
+    kv.set_limit("kvctl", kv.mapped_bytes // kv.page_group_bytes + need)  # as if another engine held the rest
+    evicted = []
+
+    def evict(params):
+        evicted.append(params.mamba_num)
+        while cached:
+            slots.free(cached.pop())
+
+    cache = SimpleNamespace(req_to_token_pool=pool, supports_mamba=lambda: True, evict=evict)
+    seen = []
+
+    def match(req, tree_cache, cow_mamba):
+        seen.append(cow_mamba)
+        if cow_mamba is not False:  # SGLang's copy-on-write of a cached state: the first of the request's slots
+            req.mamba_pool_idx = slots.alloc(1)[0]
+
+    admit = patches.holding_admission(lambda adder, req, *a, **k: AddReqResult.CONTINUE)
+    adder = SimpleNamespace(token_to_kv_pool_allocator=None)
+    first = _waiting()
+    second = _waiting()
+    slots.in_prefill_pass = True
+    patches.holding_state_slots(match)(first, cache)
+    assert seen == [None] and not first._kvcached_no_state_slot and slots.held_slots == need - 1
+    assert admit(adder, first) == AddReqResult.CONTINUE
+    patches.holding_state_slots(match)(second, cache)  # the limit is reached: the cached state goes first
+    assert evicted == [need] and seen == [None, None] and slots.held_slots == 2 * need - 2
+    assert admit(adder, second) == AddReqResult.CONTINUE
+    third = _waiting()
+    patches.holding_state_slots(match)(third, cache)  # nothing left to evict
+    assert seen[-1] is False and third._kvcached_no_state_slot and third.mamba_pool_idx is None
+    assert evicted == [need, need] and admit(adder, third) == AddReqResult.NO_TOKEN
+    # the admitted requests' allocations get their held slots although nothing more can be mapped
+    if extra_buffer:
+        for r in (first, second):
+            pool._alloc_ping_pong_buffer(r)
+    assert slots.held_slots == 0 and slots.alloc(1) is None
+    slots.in_prefill_pass = False
+    fourth = _waiting()
+    patches.holding_state_slots(lambda req, tree_cache, cow_mamba: seen.append(cow_mamba))(fourth, cache)
+    assert seen[-1] is None and not fourth._kvcached_no_state_slot and slots.held_slots == 0  # no pass, no hold
+
+
+def test_the_pass_gives_back_what_it_held(sgl):
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+
+    from kvcached.integration.sglang import patches
+
+    pool = _hybrid(_params("page"))
+    kv_pool = cfg.MHATokenToKVPool(256, page_size=1, dtype=torch.float32, head_num=4, head_dim=64, layer_num=2,
+                                   device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    kv_alloc = cfg.TokenToKVPoolAllocator(256, dtype=torch.float32, device="cpu", kvcache=kv_pool, need_sort=False)
+    slots = pool.mamba_allocator
+    mapped = pool.mamba_pool.kvcached_manager.mapped_bytes
+
+    def raw(scheduler):
+        assert slots.in_prefill_pass and slots.hold(3)
+        return "batch"
+
+    scheduler = SimpleNamespace(token_to_kv_pool_allocator=kv_alloc, req_to_token_pool=pool, waiting_queue=[])
+    assert patches.releasing_prefill_holds(raw)(scheduler) == "batch"
+    assert not slots.in_prefill_pass and slots.held_slots == 0
+    assert pool.mamba_pool.kvcached_manager.mapped_bytes == mapped
