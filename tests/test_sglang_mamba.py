@@ -267,3 +267,61 @@ def test_the_pass_gives_back_what_it_held(sgl):
     assert patches.releasing_prefill_holds(raw)(scheduler) == "batch"
     assert not slots.in_prefill_pass and slots.held_slots == 0
     assert pool.mamba_pool.kvcached_manager.mapped_bytes == mapped
+
+
+def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch):
+    """SGLang's radix cache of hybrid models over ``pool`` and a kvcached token allocator, and a function that
+    finishes a request of ``n`` tokens starting at ``seed`` through it (its KV and Mamba slot allocated as SGLang
+    allocates them, its state cached by SGLang's own ``cache_finished_req``)."""
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+    import sglang.srt.mem_cache.mamba_radix_cache as mrc
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    # read from SGLang's published server arguments (not published outside an engine): its default chunk
+    monkeypatch.setattr(mrc, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=64), raising=False)
+    monkeypatch.setattr(mrc, "mamba_cache_chunk_size", lambda: 64, raising=False)
+    kv_pool = cfg.MHATokenToKVPool(1024, page_size=1, dtype=torch.float32, head_num=4, head_dim=64, layer_num=2,
+                                   device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    alloc = cfg.TokenToKVPoolAllocator(1024, dtype=torch.float32, device="cpu", kvcache=kv_pool, need_sort=False)
+    cache = mrc.MambaRadixCache(CacheInitParams(disable=False, req_to_token_pool=pool,
+                                                token_to_kv_pool_allocator=alloc, page_size=1))
+
+    def finish(seed: int, n: int = 30) -> None:
+        req = Req(f"r{seed}", "", array("q", range(seed, seed + n)), SamplingParams(max_new_tokens=4))
+        assert pool.alloc([req]) is not None
+        fields = _state(req)  # under ``req.kv`` from SGLang 0.5.19
+        pool.req_to_token[fields.req_pool_idx, :n] = alloc.alloc(n).to(torch.int32)
+        req.last_node = cache.root_node  # what SGLang's prefix match left: nothing cached matched
+        cache.cache_finished_req(req, kv_len_to_handle=n)
+        pool.free(req)
+
+    return cache, kv_pool, finish
+
+
+def test_hybrid_radix_cache_is_bounded_and_yields(sgl, monkeypatch: pytest.MonkeyPatch):
+    """``KVCACHED_MAX_CACHED_TOKENS`` bounds a hybrid model's radix cache as a plain one's (its evicted prefixes
+    take their cached states with them), and on a full device all of it goes back, states too."""
+    from kvcached.integration.sglang import patches
+
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "40")  # one finished request's prefix fits, two do not
+    pool = _hybrid(_params())
+    states = pool.mamba_pool.kvcached_manager
+    cache, kv_pool, finish = _mamba_radix(pool, monkeypatch)
+    for i in range(3):
+        finish(1000 * (i + 1))
+        assert cache.full_evictable_size() == 30 and cache.mamba_evictable_size() == 1
+    assert states.num_allocated_blocks() == 1 + 1  # the dummy slot and the one cached state
+    assert kv_pool.kvcached_manager.num_allocated_blocks() == 1 + 30
+    monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")  # unlimited: SGLang's own behaviour
+    finish(5000)
+    assert cache.full_evictable_size() == 60 and cache.mamba_evictable_size() == 2
+    pa = kv_pool.kvcached_manager.page_allocator
+    free, total = pa.backend.mem_info()
+    pa.backend.set_host_limit(total - free)  # another process took the rest of the device
+    cache._kvcached_pressure_checked = 0.0
+    assert patches.yield_if_tight(cache) == 60
+    assert (cache.full_evictable_size(), cache.mamba_evictable_size()) == (0, 0)
+    assert states.num_allocated_blocks() == 1 and kv_pool.kvcached_manager.num_allocated_blocks() == 1
+    pa.backend.set_host_limit(total)

@@ -16,7 +16,7 @@ Hook points (all in SGLang's installed source):
 - ``KVCacheConfigurator._profile_available_bytes``: on a GPU the KV budget is
   ``--mem-fraction-static`` of the device less what this process holds through torch,
   not the free memory that other engines' KV pages happen to leave;
-- ``RadixCache.cache_finished_req``: the evictable prefix cache is bounded by
+- ``RadixCache.cache_finished_req`` and ``MambaRadixCache.cache_finished_req``: the evictable prefix cache is bounded by
   ``KVCACHED_MAX_CACHED_TOKENS`` (as vLLM's prefix cache is), so evicted pages unmap;
   while the device is nearly full (``PageAllocator.device_tight``: another engine sharing
   it may be waiting for memory) all of it goes, there and in ``Scheduler.on_idle``, so an
@@ -222,41 +222,59 @@ def holding_state_slots(original: Any) -> Any:
     return init_next_round_input
 
 
-def yield_if_tight(cache: Any) -> int:
-    """Evict the whole evictable radix cache of a kvcached engine while the device is nearly full; the tokens
-    evicted. Reads the device at most every PRESSURE_CHECK_S (the scheduler calls this on every idle pass)."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+def evictable(cache: Any) -> tuple[int, int] | None:
+    """(cached tokens, cached Mamba states) that ``cache`` could evict now; None for a cache kvcached does not
+    bound (a hybrid model's ``MambaRadixCache`` is not a ``RadixCache``)."""
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
+    if isinstance(cache, MambaRadixCache):
+        return cache.full_evictable_size(), cache.mamba_evictable_size()
+    if isinstance(cache, RadixCache):
+        return cache.evictable_size(), 0
+    return None
+
+
+def yield_if_tight(cache: Any) -> int:
+    """Evict the whole evictable radix cache of a kvcached engine (with a hybrid model's cached Mamba states)
+    while the device is nearly full; the tokens evicted. Reads the device at most every PRESSURE_CHECK_S (the
+    scheduler calls this on every idle pass)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
     alloc = getattr(cache, "token_to_kv_pool_allocator", None)
-    if not isinstance(cache, RadixCache) or not isinstance(alloc, _kvcached_allocators()):
+    sizes = evictable(cache)
+    if sizes is None or not isinstance(alloc, _kvcached_allocators()):
         return 0
-    n = cache.evictable_size()
-    if n <= 0 or not device_tight_every(alloc.kvcached.page_allocator, cache, "_kvcached_pressure_checked",
-                                        PRESSURE_CHECK_S):
+    n, states = sizes
+    if n + states <= 0 or not device_tight_every(alloc.kvcached.page_allocator, cache, "_kvcached_pressure_checked",
+                                                 PRESSURE_CHECK_S):
         return 0
-    cache.evict(EvictParams(num_tokens=n))
+    cache.evict(EvictParams(num_tokens=n, mamba_num=states))
     return n
 
 
 def _patch_radix_cache() -> None:
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     def bounded(original: Any) -> Any:
         def cache_finished_req(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
-            # after the request's lock on its nodes is released: only unlocked (evictable) prefixes go
+            # after the request's lock on its nodes is released: only unlocked (evictable) prefixes go (a hybrid
+            # model's evicted leaves take their Mamba states with them)
             bound = config.max_cached_tokens()
-            if bound >= 0 and self.evictable_size_ > bound:
-                self.evict(EvictParams(num_tokens=self.evictable_size_ - bound))
+            cached = evictable(self)[0]
+            if bound >= 0 and cached > bound:
+                self.evict(EvictParams(num_tokens=cached - bound))
             yield_if_tight(self)
             return result
 
         return cache_finished_req
 
     wrap_once(RadixCache, "cache_finished_req", bounded)
+    wrap_once(MambaRadixCache, "cache_finished_req", bounded)
     wrap_once(Scheduler, "on_idle", yield_on_idle)
 
 
