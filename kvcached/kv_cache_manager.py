@@ -378,11 +378,13 @@ class KVCacheManager:
             self._reserved.extend(got)
         return True
 
-    def free_reserved(self) -> None:
-        """Give back every block held by :meth:`try_to_reserve`."""
+    def free_reserved(self, keep: int = 0) -> None:
+        """Give back the blocks held by :meth:`try_to_reserve`, all but ``keep`` of them (they stay held)."""
         pool = self._pool or self._bind()
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            raise ValueError(f"free_reserved: keep must be an int >= 0, got {keep!r}.")
         with self._reserved_lock:
-            held, self._reserved = self._reserved, []
+            held, self._reserved = self._reserved[keep:], self._reserved[:keep]
         if held:
             pool.free(held)
 

@@ -297,7 +297,7 @@ def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch):
         cache.cache_finished_req(req, kv_len_to_handle=n)
         pool.free(req)
 
-    return cache, kv_pool, finish
+    return cache, alloc, finish
 
 
 def test_hybrid_radix_cache_is_bounded_and_yields(sgl, monkeypatch: pytest.MonkeyPatch):
@@ -308,7 +308,8 @@ def test_hybrid_radix_cache_is_bounded_and_yields(sgl, monkeypatch: pytest.Monke
     monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "40")  # one finished request's prefix fits, two do not
     pool = _hybrid(_params())
     states = pool.mamba_pool.kvcached_manager
-    cache, kv_pool, finish = _mamba_radix(pool, monkeypatch)
+    cache, alloc, finish = _mamba_radix(pool, monkeypatch)
+    kv_pool = alloc._kvcache
     for i in range(3):
         finish(1000 * (i + 1))
         assert cache.full_evictable_size() == 30 and cache.mamba_evictable_size() == 1
@@ -325,3 +326,55 @@ def test_hybrid_radix_cache_is_bounded_and_yields(sgl, monkeypatch: pytest.Monke
     assert (cache.full_evictable_size(), cache.mamba_evictable_size()) == (0, 0)
     assert states.num_allocated_blocks() == 1 and kv_pool.kvcached_manager.num_allocated_blocks() == 1
     pa.backend.set_host_limit(total)
+
+
+def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, monkeypatch: pytest.MonkeyPatch):
+    """SGLang's radix cache copies each admitted request's state into a slot of its own after the prefill
+    (``cache_unfinished_req``, in the result processing, outside the prefill pass) and asserts it gets one: a slot
+    is held for that copy from the admission, past the pass, so another engine filling the device in between
+    cannot take it. Without it (the second request, admitted around the hooks) SGLang's assertion is met."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import AddReqResult
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from kvcached.integration.sglang import patches
+
+    pool = _hybrid(_params("page"))  # one slot a page
+    slots, states = pool.mamba_allocator, pool.mamba_pool.kvcached_manager
+    cache, alloc, _ = _mamba_radix(pool, monkeypatch)
+
+    def admitted(n: int, seed: int, hooked: bool):
+        req = Req(f"r{seed}", "", array("q", range(seed, seed + n)), SamplingParams(max_new_tokens=4))
+        later = Req(f"r{seed + 1}", "", array("q", range(seed + 1, seed + n)), SamplingParams(max_new_tokens=4))
+        adder = SimpleNamespace(token_to_kv_pool_allocator=None, tree_cache=cache, can_run_list=[])
+
+        def add(adder, req, *args, **kwargs):
+            if req is later:  # SGLang's own budget says no: the pass ends without it
+                return AddReqResult.NO_TOKEN
+            adder.can_run_list.append(req)
+            return AddReqResult.CONTINUE
+
+        slots.in_prefill_pass = hooked
+        admit = patches.holding_admission(add) if hooked else add
+        for r in (req, later):
+            r.init_next_round_input(cache)  # SGLang's prefix match (nothing cached) under the hook
+            admit(adder, r)
+        assert adder.can_run_list == [req]
+        assert pool.alloc([req]) is not None  # SGLang's allocation in the pass: the request's own slot
+        pool.req_to_token[_state(req).req_pool_idx, :n] = alloc.alloc(n).to(torch.int32)
+        req.set_extend_range(0, n)  # what prepare_for_extend records: the whole prompt is this prefill
+        slots.in_prefill_pass = False
+        slots.release_held()  # the pass ends
+        return req
+
+    first = admitted(20, 100, hooked=True)
+    assert slots.promised == 1 and slots.held_slots == 1  # the copy's slot stays held past the pass, no other
+    states.set_limit("kvctl", states.mapped_bytes // states.page_group_bytes)  # another engine takes the rest
+    cache.cache_unfinished_req(first)  # the result processing: the copy takes the held slot
+    assert (slots.promised, slots.held_slots, cache.mamba_evictable_size()) == (0, 0, 0)  # the copy is first's
+    assert cache.total_size()[1] == 1
+    states.set_limit("kvctl", None)
+    second = admitted(20, 500, hooked=False)
+    states.set_limit("kvctl", states.mapped_bytes // states.page_group_bytes)
+    with pytest.raises(AssertionError, match="Can not alloc mamba cache"):
+        cache.cache_unfinished_req(second)

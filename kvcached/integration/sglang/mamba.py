@@ -18,6 +18,7 @@ checkpoint pool (``--enable-int8-mamba-checkpoint``) stays SGLang's memory.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -107,6 +108,9 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         self.kvcached = pool.kvcached_manager
         self._in_use: set[int] = set()
         self.in_prefill_pass = False  # set by the scheduler's prefill pass (patches): holds last until it ends
+        # admitted requests a slot is held for past the pass: the copy of their state that SGLang's radix cache
+        # takes after their prefill (a request that goes away without it drops out by itself)
+        self._promised: weakref.WeakSet[Any] = weakref.WeakSet()
         super().__init__(size=pool.size, device=device)
 
     def available_size(self) -> int:
@@ -141,6 +145,25 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
 
     held_slots = Holds.held
 
+    def promise(self, req: Any) -> None:
+        """Keep one held slot for ``req`` past the prefill pass (see :meth:`release_held`)."""
+        self._promised.add(req)
+
+    def fulfil(self, req: Any) -> None:
+        """``req``'s radix cache copy is made (or will not be): its slot is no longer kept."""
+        self._promised.discard(req)
+
+    @property
+    def promised(self) -> int:
+        return len(self._promised)
+
+    def release_held(self) -> None:
+        """Give back what the prefill pass held and did not allocate, but a slot for each request promised one:
+        SGLang's radix cache copies an admitted request's state after its prefill (``cache_unfinished_req``,
+        outside the pass) into a slot it asserts it gets."""
+        if self.held > self.promised:
+            self.kvcached.free_reserved(keep=self.promised)
+
     @property
     def free_slots(self) -> torch.Tensor:
         """The slots SGLang does not hold (SGLang's invariant checker reads this)."""
@@ -149,5 +172,6 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
 
     def clear(self) -> None:
         self._alloc_iter = None
-        self.kvcached.clear()
+        self.kvcached.clear()  # held slots go too
         self._in_use.clear()
+        self._promised = weakref.WeakSet()

@@ -197,6 +197,14 @@ def state_slots_needed(req_to_token_pool: Any, req: Any) -> int:
     return need
 
 
+def state_copies(tree_cache: Any) -> int:
+    """1 where the radix cache copies a request's state into a slot of its own after the request's prefill
+    (SGLang's ``MambaRadixCache.cache_unfinished_req``, in the result processing, outside the prefill pass)."""
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+
+    return int(isinstance(tree_cache, MambaRadixCache) and not tree_cache.disable)
+
+
 def holding_state_slots(original: Any) -> Any:
     """``Req.init_next_round_input`` that, in a prefill pass, first holds the Mamba slots the pass will allocate
     for the request (the copy-on-write of a cached state is the first, inside this very call): SGLang asserts on
@@ -208,7 +216,7 @@ def holding_state_slots(original: Any) -> Any:
         slots = state_slots_of(pool)
         self._kvcached_no_state_slot = False
         if slots is not None and slots.in_prefill_pass:
-            need = state_slots_needed(pool, self)
+            need = state_slots_needed(pool, self) + state_copies(tree_cache)
             if need and not slots.hold(slots.held_slots + need):
                 if tree_cache.supports_mamba():
                     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -275,7 +283,24 @@ def _patch_radix_cache() -> None:
 
     wrap_once(RadixCache, "cache_finished_req", bounded)
     wrap_once(MambaRadixCache, "cache_finished_req", bounded)
+    for name in ("cache_unfinished_req", "cache_finished_req"):
+        wrap_once(MambaRadixCache, name, fulfilling_state_copy, marker="_kvcached_promise")
     wrap_once(Scheduler, "on_idle", yield_on_idle)
+
+
+def fulfilling_state_copy(original: Any) -> Any:
+    """``MambaRadixCache.cache_(un)finished_req`` after which the request's promised slot is no longer kept: the
+    copy took it (an allocation takes held slots first) or, for a finished request, was not made."""
+
+    def cache_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, req, *args, **kwargs)
+        finally:
+            slots = state_slots_of(self.req_to_token_pool)
+            if slots is not None:
+                slots.fulfil(req)
+
+    return cache_req
 
 
 def yield_on_idle(original: Any) -> Any:
@@ -360,9 +385,22 @@ def holding_admission(original: Any) -> Any:
             extend = self.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
             if not hold_prefill(self, req, extend + self.page_size):
                 return AddReqResult.NO_TOKEN
-        return original(self, req, *args, **kwargs)
+        result = original(self, req, *args, **kwargs)
+        promise_state_copy(self, req, held=True)
+        return result
 
     return add_one_req
+
+
+def promise_state_copy(adder: Any, req: Any, held: bool) -> None:
+    """Where ``adder`` admitted ``req`` and its radix cache will copy the request's state after this prefill, keep
+    a slot held for that copy past the pass; ``held``: holding_state_slots held it already, else it is held now."""
+    cache = getattr(adder, "tree_cache", None)
+    slots = state_slots_of(getattr(cache, "req_to_token_pool", None))
+    if slots is None or not state_copies(cache) or not adder.can_run_list or adder.can_run_list[-1] is not req:
+        return
+    if held or slots.hold(slots.held_slots + 1):
+        slots.promise(req)
 
 
 def holding_chunk(original: Any) -> Any:
@@ -373,6 +411,7 @@ def holding_chunk(original: Any) -> Any:
         result = original(self, req, *args, **kwargs)
         if isinstance(self.token_to_kv_pool_allocator, _kvcached_allocators()):
             hold_prefill(self, req, 0)  # the chunk is in the adder's offset already
+        promise_state_copy(self, req, held=False)  # the radix cache copies the state at every chunk's end
         return result
 
     return add_chunked_req
