@@ -744,8 +744,8 @@ def report(dirs: list[str], out_md: Path, tag: str, memory_rate: float | None = 
               "| model | TTFT = a + b x prompt | TPOT (ms) |", "| --- | --- | ---: |"]
     for m, im in s["idle"].items():
         lines.append(f"| {m} | {1e3 * im.ttft_a:.1f} ms + {1e6 * im.ttft_b:.2f} us/token | {1e3 * im.tpot:.2f} |")
-    mem_rows = [(run["rate"], run["mem"]) for run in results.get("kvcached", {}).get("runs", [])
-                if run["skew"] and run["mem"]]
+    mem_rows = sorted(((run["rate"], run["mem"]) for run in results.get("kvcached", {}).get("runs", [])
+                       if run["skew"] and run["mem"]), key=lambda row: row[0])  # merged calls: rates in order
     if mem_rows:
         lines += ["", "## KV memory of the kvcached engines (skewed trace, sampled every 100 ms)", "",
                   "| rate (req/s) | most mapped in all (GiB) | most one engine mapped (GiB) | "
@@ -790,7 +790,7 @@ def _demand_lines(results: dict[str, dict]) -> list[str]:
         per_token = {m: kv_bytes_per_token(MODELS[m]) for m in res["models"] if m in MODELS}
         if not per_token:
             continue
-        for run in res["runs"]:
+        for run in sorted(res["runs"], key=lambda r: (r["skew"], r["rate"])):
             if not run["skew"]:
                 continue
             peak = demand_peak(kv_demand(_outcomes(run), per_token))
