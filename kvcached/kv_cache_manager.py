@@ -263,24 +263,28 @@ class KVCacheManager:
         return int(self._allocator.limit_pages)
 
     # -- the kvcached API ---------------------------------------------------
-    def alloc(self, need_size: int) -> list[int] | None:
-        """``need_size`` block ids, all backed by mapped memory; None if not possible now."""
+    def alloc(self, need_size: int, *, spare_reserved: int = 0) -> list[int] | None:
+        """``need_size`` block ids, all backed by mapped memory; None if not possible now. Blocks held by
+        :meth:`try_to_reserve` go first, but ``spare_reserved`` of them, kept for another allocation."""
         pool = self._pool or self._bind()
+        if spare_reserved and (not isinstance(spare_reserved, int) or isinstance(spare_reserved, bool)
+                               or spare_reserved < 0):
+            raise ValueError(f"alloc: spare_reserved must be an int >= 0, got {spare_reserved!r}.")
         self._drain_deferred()
         try:
-            if not self._reserved:
+            if len(self._reserved) <= spare_reserved:
                 return pool.alloc(need_size)
-            return self._alloc_with_reserved(pool, need_size)
+            return self._alloc_with_reserved(pool, need_size, spare_reserved)
         except TypeError:
             raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.") from None
 
-    def _alloc_with_reserved(self, pool: Any, need_size: int) -> list[int] | None:
+    def _alloc_with_reserved(self, pool: Any, need_size: int, spare: int) -> list[int] | None:
         if not isinstance(need_size, int) or isinstance(need_size, bool):
             raise TypeError(f"alloc: need_size must be an int number of blocks, got {need_size!r}.")
         if need_size < 0:
             raise ValueError(f"alloc: need_size must be an int >= 0, got {need_size!r}.")
         with self._reserved_lock:
-            taken = min(need_size, len(self._reserved))
+            taken = max(0, min(need_size, len(self._reserved) - spare))
             rest = need_size - taken
             extra: list[int] = []
             if rest:
@@ -348,6 +352,12 @@ class KVCacheManager:
         """Blocks freed but held until the device work that may read them has run (those
         whose free would have emptied a page)."""
         return 0 if self._deferred is None else len(self._deferred)
+
+    def wait_pending_frees(self) -> None:
+        """Wait for the device work that pending frees wait on, and give those blocks back (a host sync: for a
+        caller that just freed memory it needs now, such as a cache evicted for an admission, not a hot path)."""
+        if self._deferred is not None:
+            self._deferred.flush()
 
     def _check_freeable(self, indices: Iterable[int]) -> list[int] | tuple[int, ...]:
         """The ids, read once: an iterator checked here would reach the pool empty."""

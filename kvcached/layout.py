@@ -416,10 +416,13 @@ class StateSlots:
         if not self.arrays:
             raise KVCachedConfigError("a state slot needs at least one array.")
         for shape, dtype in self.arrays:
-            if not shape or any(not isinstance(d, int) or d <= 0 for d in shape):
-                raise KVCachedConfigError(f"state array shape {shape!r} must be positive ints.")
+            # a dimension of 0 is an array the model does not use (LFM2's temporal state): it takes no bytes
+            if not shape or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+                raise KVCachedConfigError(f"state array shape {shape!r} must be a non-empty tuple of ints >= 0.")
             if not isinstance(dtype, torch.dtype):
                 raise KVCachedConfigError(f"state array dtype {dtype!r} is not a torch dtype.")
+        if self.entry_bytes == 0:
+            raise KVCachedConfigError(f"state arrays {self.arrays!r} take no bytes: there is no state to keep.")
 
     def _layer_bytes(self, i: int) -> int:
         shape, dtype = self.arrays[i]

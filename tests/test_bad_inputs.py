@@ -135,6 +135,8 @@ LIVE_CASES: dict[str, tuple[Callable[[Ctx, pytest.MonkeyPatch], object], type[Ba
     "over-allocation-raises-exhausted": (lambda c, mp: c.mgr.alloc_or_raise(PAGES * 512), KVCachePoolExhausted,
                                          "cannot provide"),
     "reserve-negative": (lambda c, mp: c.mgr.try_to_reserve(-3), ValueError, ">= 0"),
+    "free-reserved-keep-negative": (lambda c, mp: c.mgr.free_reserved(keep=-1), ValueError, "keep must be an int"),
+    "alloc-spare-negative": (lambda c, mp: c.mgr.alloc(1, spare_reserved=-1), ValueError, "spare_reserved"),
     "resize-zero": (lambda c, mp: c.mgr.resize(0), ValueError, "positive"),
     "set-limit-negative": (lambda c, mp: c.mgr.set_limit("ipc", -3), ValueError, "int >= 0 or None"),
     "set-limit-bool": (lambda c, mp: c.mgr.set_limit("ipc", True), ValueError, "int >= 0 or None"),

@@ -186,6 +186,24 @@ def test_reserve_then_alloc_uses_the_reservation(cache: Cache) -> None:
     m.free(got)
 
 
+def test_alloc_can_leave_held_blocks_for_another_allocation(cache: Cache) -> None:
+    """``spare_reserved``: blocks held for one allocation (a copy promised a slot) are not handed to another."""
+    m = cache.mgr
+    assert m.try_to_reserve(3)
+    held = m.reserved_blocks
+    got = m.alloc(2, spare_reserved=2)  # one held block, one new
+    assert got is not None and len(got) == 2 and len(set(got) & set(held)) == 1 and m.num_reserved_blocks == 2
+    more = m.alloc(5, spare_reserved=2)  # none of the two left
+    assert more is not None and not set(more) & set(held) and m.num_reserved_blocks == 2
+    last = m.alloc(2)  # the allocation they were kept for
+    assert sorted(last) == sorted(b for b in held if b not in got)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="spare_reserved"):
+            m.alloc(1, spare_reserved=bad)
+    m.free(got + more + last)
+    assert m.num_allocated_blocks() == 0
+
+
 def test_clear_frees_everything(cache: Cache, eventually) -> None:
     m = cache.mgr
     m.alloc(130)

@@ -182,6 +182,18 @@ def _finished(slot: int, tokens) -> SimpleNamespace:
                            kv=SimpleNamespace(req_pool_idx=slot, cache_protected_len=0))
 
 
+def _finish(cache, alloc, tokens) -> None:
+    """A request of ``tokens`` through SGLang's own steps: matched against ``cache``, its request slot and KV
+    allocated, then finished into the cache (which takes its KV) and its slot freed."""
+    req = _waiting(cache, f"f{tokens[0]}", list(tokens))
+    rtp, n = cache.req_to_token_pool, len(tokens)
+    assert rtp.alloc([req]) is not None
+    kv = req.kv if hasattr(req.kv, "req_pool_idx") else req  # under ``req.kv`` from 0.5.19
+    rtp.req_to_token[kv.req_pool_idx, :n] = _extend(alloc, [n]).to(torch.int32)
+    cache.cache_finished_req(req, kv_len_to_handle=n)
+    rtp.free(req)
+
+
 def _allocate_prefill(cache, alloc, reqs):
     """What ``prepare_for_extend`` allocates for admitted requests (SGLang's own functions: they evict from the
     radix cache first, then raise "Prefill out of memory" if the allocator returns None)."""
@@ -433,30 +445,42 @@ def test_kvctl_limit_below_demand_makes_requests_wait(sgl, page: int, eventually
     alloc.free(held)
 
 
-@pytest.mark.parametrize("page", [1, 16])
-def test_radix_cache_is_bounded(sgl, page: int, monkeypatch: pytest.MonkeyPatch):
+def _tree(kind: str, rtp, alloc, page: int):
+    """SGLang's radix cache of plain models: ``RadixCache`` up to 0.5.18, ``UnifiedRadixCache`` (FULL only)
+    from 0.5.19 on (and before, with SGLANG_ENABLE_UNIFIED_RADIX_TREE=1)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params = CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=page)
+    if kind == "radix":
+        return RadixCache(params)
+    params.tree_components = (ComponentType.FULL,)
+    return UnifiedRadixCache(params)
+
+
+TREES = ["radix", "unified"]
+
+
+@pytest.mark.parametrize("kind", TREES)
+@pytest.mark.parametrize("page", [1, 16])
+def test_radix_cache_is_bounded(sgl, page: int, kind: str, monkeypatch: pytest.MonkeyPatch):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     bound = 400  # one finished request's prefix fits, two do not
     monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", str(bound))
     (_, _), (pool, alloc) = _pools(page)
     rtp = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
-    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
-                                       page_size=page))
+    cache = _tree(kind, rtp, alloc, page)
     for i in range(3):
         n = 300 + 16 * i
-        locs = _extend(alloc, [n])
-        rtp.req_to_token[1, :n] = locs.to(torch.int32)
-        cache.cache_finished_req(_finished(1, array("q", [1000 * (i + 1) + t for t in range(n)])), kv_len_to_handle=n)
+        _finish(cache, alloc, [1000 * (i + 1) + t for t in range(n)])
         assert 0 < cache.evictable_size() <= bound
     # what the tree keeps is all that stays allocated: evicted prefixes went back to kvcached
     assert pool.kvcached_manager.num_allocated_blocks() == 1 + cache.evictable_size() // page
     monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")  # unlimited: SGLang's own behaviour
-    locs = _extend(alloc, [320])
-    rtp.req_to_token[1, :320] = locs.to(torch.int32)
-    cache.cache_finished_req(_finished(1, array("q", range(320))), kv_len_to_handle=320)
+    _finish(cache, alloc, range(1, 321))
     assert cache.evictable_size() > bound
 
 
@@ -639,26 +663,22 @@ def test_dense_row_features_need_the_per_layer_layout(sgl, monkeypatch: pytest.M
                                                 token_to_kv_pool_allocator=None)
 
 
+@pytest.mark.parametrize("kind", TREES)
 @pytest.mark.parametrize("page", [1, 16])
-def test_radix_cache_yields_on_a_full_device(sgl, page: int, monkeypatch: pytest.MonkeyPatch):
+def test_radix_cache_yields_on_a_full_device(sgl, page: int, kind: str, monkeypatch: pytest.MonkeyPatch):
     """Another engine on the device may be waiting for memory: an SGLang engine's cached prefixes go back, at the
     next finished request and, for an idle engine, in the scheduler's idle pass (as vLLM's cache does)."""
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache
 
     from kvcached.integration.sglang import patches
 
     monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "-1")
     (_, _), (pool, alloc) = _pools(page)
     rtp = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
-    cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
-                                       page_size=page))
+    cache = _tree(kind, rtp, alloc, page)
 
     def finish(seed: int, n: int = 320) -> None:
-        locs = _extend(alloc, [n])
-        rtp.req_to_token[1, :n] = locs.to(torch.int32)
-        cache.cache_finished_req(_finished(1, array("q", [seed + t for t in range(n)])), kv_len_to_handle=n)
+        _finish(cache, alloc, range(seed, seed + n))
 
     pa = pool.kvcached_manager.page_allocator
     finish(1000)

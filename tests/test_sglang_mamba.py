@@ -7,6 +7,8 @@ while SGLang holds it, and a request whose slots cannot be had must wait, never 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from array import array
 from types import SimpleNamespace
 
@@ -45,12 +47,13 @@ def _params(size: str = "small"):
                              dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
 
 
-def _hybrid(params, mamba_size: int = 24, extra_buffer: bool = False):
+def _hybrid(params, mamba_size: int = 24, extra_buffer: bool = False, lazy: bool = False):
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
     return HybridReqToTokenPool(size=8, mamba_size=mamba_size, mamba_spec_state_size=8, max_context_len=64,
                                 device="cpu", enable_memory_saver=False, cache_params=params,
-                                mamba_layer_ids=params.layers, enable_mamba_extra_buffer=extra_buffer)
+                                mamba_layer_ids=params.layers, enable_mamba_extra_buffer=extra_buffer,
+                                enable_mamba_extra_buffer_lazy=lazy)
 
 
 def _plain_states(params, mamba_size: int = 24):
@@ -94,10 +97,11 @@ def test_hybrid_models_states_come_from_kvcached(sgl):
     for a, b in zip([*ours.conv, ours.temporal], [*theirs.conv, theirs.temporal], strict=True):
         assert (a.shape, a.dtype) == (b.shape, b.dtype)
         assert a.stride()[0] < b.stride()[0] and a.stride()[2:] == b.stride()[2:]  # slot-major, rows dense
-    patches.check_state_pool(pool)
-    patches.check_state_pool(SimpleNamespace())  # not a hybrid model: nothing to check
+    patches.check_state_pool(pool, _defaults())
+    patches.check_state_pool(SimpleNamespace(), None)  # not a hybrid model: nothing to check
     with pytest.raises(KVCachedConfigError, match="keeps Mamba states in MambaPool"):
-        patches.check_state_pool(SimpleNamespace(mamba_pool=plain, mamba_allocator=pool.mamba_allocator))
+        patches.check_state_pool(SimpleNamespace(mamba_pool=plain, mamba_allocator=pool.mamba_allocator),
+                                 _defaults())
 
     class SGLangsOwn(HybridReqToTokenPool):  # a release whose pool picks its own state class
         mamba_pool_cls = MambaPool
@@ -106,7 +110,49 @@ def test_hybrid_models_states_come_from_kvcached(sgl):
                      enable_memory_saver=False, cache_params=params, mamba_layer_ids=params.layers,
                      enable_mamba_extra_buffer=False)
     with pytest.raises(KVCachedConfigError, match="keeps Mamba states in MambaPool"):
-        patches.check_state_pool(own)
+        patches.check_state_pool(own, _defaults())
+
+
+def _defaults(**changed) -> SimpleNamespace:
+    """SGLang's default server arguments for what kvcached's Mamba states check, with ``changed``."""
+    from sglang.srt.server_args import ServerArgs
+
+    names = ("enable_hierarchical_cache", "disaggregation_mode", "linear_attn_backend", "linear_attn_decode_backend",
+             "linear_attn_prefill_backend", "mamba_backend")
+    fields = {f.name: f.default for f in dataclasses.fields(ServerArgs) if f.name in names}
+    assert set(fields) == set(names)
+    return SimpleNamespace(**{**fields, **changed})
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_what_reads_states_as_dense_rows_is_refused(sgl, mla: bool):
+    """kvcached's state slots are strided: SGLang's hierarchical cache and PD transfers (pointer + slot x bytes)
+    and kernels that do not take the slot stride would read other slots or unmapped pages, in either layout."""
+    from kvcached.errors import KVCachedConfigError
+    from kvcached.integration.sglang import patches
+
+    pool = _hybrid(_params())
+
+    def check(**changed):
+        args = _defaults(**changed)
+        args.use_mla_backend = lambda: mla
+        patches.check_state_pool(pool, args)
+
+    check()
+    check(linear_attn_backend="triton", linear_attn_decode_backend="flashinfer",
+          linear_attn_prefill_backend="flashkda")
+    for changed, what in ((dict(enable_hierarchical_cache=True), "hierarchical cache"),
+                          (dict(disaggregation_mode="prefill"), "disaggregation"),
+                          (dict(mamba_backend="flashinfer"), "--mamba-backend=flashinfer"),
+                          (dict(linear_attn_decode_backend="flashkda"), "--linear-attn-decode-backend=flashkda"),
+                          (dict(linear_attn_backend="flashinfer"), "--linear-attn-prefill-backend=flashinfer")):
+        with pytest.raises(KVCachedConfigError, match=what):
+            check(**changed)
+    if mla:  # KDA hybrids' cutedsl kernels take the stride
+        check(linear_attn_backend="cutedsl")
+    else:
+        with pytest.raises(KVCachedConfigError, match="cutedsl"):
+            check(linear_attn_backend="cutedsl")
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))
@@ -191,8 +237,8 @@ def test_options_the_state_pool_cannot_serve_are_refused(sgl, option: str):
                           device="cpu", **{option: 4 if option.startswith("spec") else True})
 
 
-@pytest.mark.parametrize("extra_buffer", [False, True], ids=["plain", "ping_pong"])
-def test_a_request_whose_slots_cannot_be_had_waits(sgl, extra_buffer: bool):
+@pytest.mark.parametrize("extra_buffer", ["", "ping_pong", "lazy"], ids=["plain", "ping_pong", "lazy"])
+def test_a_request_whose_slots_cannot_be_had_waits(sgl, extra_buffer: str):
     """In a prefill pass each request's slots are held before SGLang's prefix match (whose copy-on-write takes
     the first) and its allocation; where they cannot be had even after the radix cache gives up cached states,
     the request is matched without the copy and not admitted (SGLang would assert). The holds end with the pass."""
@@ -200,10 +246,11 @@ def test_a_request_whose_slots_cannot_be_had_waits(sgl, extra_buffer: bool):
 
     from kvcached.integration.sglang import patches
 
-    pool = _hybrid(_params("page"), extra_buffer=extra_buffer)  # one slot a page
+    # one slot a page; with extra_buffer_lazy a request's track slots are one at first, the second on demand
+    pool = _hybrid(_params("page"), extra_buffer=bool(extra_buffer), lazy=extra_buffer == "lazy")
     kv = pool.mamba_pool.kvcached_manager
     slots = pool.mamba_allocator
-    need = 1 + (pool.mamba_ping_pong_track_buffer_size if extra_buffer else 0)
+    need = 1 + {"": 0, "ping_pong": pool.mamba_ping_pong_track_buffer_size, "lazy": 1}[extra_buffer]
     cached = [slots.alloc(need)]  # states the radix cache keeps, one request's worth
     kv.set_limit("kvctl", kv.mapped_bytes // kv.page_group_bytes + need)  # as if another engine held the rest
     evicted = []
@@ -269,38 +316,55 @@ def test_the_pass_gives_back_what_it_held(sgl):
     assert pool.mamba_pool.kvcached_manager.mapped_bytes == mapped
 
 
-def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch):
+# SGLang's radix caches of hybrid models: UnifiedRadixCache (FULL and MAMBA components) is the one its
+# registry builds in 0.5.17-0.5.19; MambaRadixCache the one a release or configuration may pick instead
+HYBRID_TREES = ["unified", "mamba"]
+
+
+def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch, kind: str):
     """SGLang's radix cache of hybrid models over ``pool`` and a kvcached token allocator, and a function that
     finishes a request of ``n`` tokens starting at ``seed`` through it (its KV and Mamba slot allocated as SGLang
     allocates them, its state cached by SGLang's own ``cache_finished_req``)."""
     import sglang.srt.mem_cache.kv_cache_configurator as cfg
     import sglang.srt.mem_cache.mamba_radix_cache as mrc
+    import sglang.srt.mem_cache.unified_cache.components.mamba_component as mc
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     # read from SGLang's published server arguments (not published outside an engine): its default chunk
     monkeypatch.setattr(mrc, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=64), raising=False)
     monkeypatch.setattr(mrc, "mamba_cache_chunk_size", lambda: 64, raising=False)
+    monkeypatch.setattr(mc, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=64), raising=False)
+    monkeypatch.setattr(mc, "mamba_cache_chunk_size", lambda: 64, raising=False)
+    monkeypatch.setattr(mc, "mamba_checkpoint_grid", lambda page: math.lcm(64, page), raising=False)
+    monkeypatch.setattr(mc, "get_exec", lambda: SimpleNamespace(mamba=SimpleNamespace(mamba_max_states_per_path=-1)))
     kv_pool = cfg.MHATokenToKVPool(1024, page_size=1, dtype=torch.float32, head_num=4, head_dim=64, layer_num=2,
                                    device="cpu", enable_memory_saver=False, enable_alt_stream=False)
     alloc = cfg.TokenToKVPoolAllocator(1024, dtype=torch.float32, device="cpu", kvcache=kv_pool, need_sort=False)
-    cache = mrc.MambaRadixCache(CacheInitParams(disable=False, req_to_token_pool=pool,
-                                                token_to_kv_pool_allocator=alloc, page_size=1))
+    params = CacheInitParams(disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=1)
+    if kind == "mamba":
+        cache = mrc.MambaRadixCache(params)
+    else:
+        params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
+        cache = UnifiedRadixCache(params)
 
     def finish(seed: int, n: int = 30) -> None:
         req = Req(f"r{seed}", "", array("q", range(seed, seed + n)), SamplingParams(max_new_tokens=4))
+        req.init_next_round_input(cache)  # SGLang's prefix match: nothing cached matches
         assert pool.alloc([req]) is not None
         fields = _state(req)  # under ``req.kv`` from SGLang 0.5.19
         pool.req_to_token[fields.req_pool_idx, :n] = alloc.alloc(n).to(torch.int32)
-        req.last_node = cache.root_node  # what SGLang's prefix match left: nothing cached matched
         cache.cache_finished_req(req, kv_len_to_handle=n)
         pool.free(req)
 
     return cache, alloc, finish
 
 
-def test_hybrid_radix_cache_is_bounded_and_yields(sgl, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("kind", HYBRID_TREES)
+def test_hybrid_radix_cache_is_bounded_and_yields(sgl, kind: str, monkeypatch: pytest.MonkeyPatch):
     """``KVCACHED_MAX_CACHED_TOKENS`` bounds a hybrid model's radix cache as a plain one's (its evicted prefixes
     take their cached states with them), and on a full device all of it goes back, states too."""
     from kvcached.integration.sglang import patches
@@ -308,7 +372,7 @@ def test_hybrid_radix_cache_is_bounded_and_yields(sgl, monkeypatch: pytest.Monke
     monkeypatch.setenv("KVCACHED_MAX_CACHED_TOKENS", "40")  # one finished request's prefix fits, two do not
     pool = _hybrid(_params())
     states = pool.mamba_pool.kvcached_manager
-    cache, alloc, finish = _mamba_radix(pool, monkeypatch)
+    cache, alloc, finish = _mamba_radix(pool, monkeypatch, kind)
     kv_pool = alloc._kvcache
     for i in range(3):
         finish(1000 * (i + 1))
@@ -328,7 +392,8 @@ def test_hybrid_radix_cache_is_bounded_and_yields(sgl, monkeypatch: pytest.Monke
     pa.backend.set_host_limit(total)
 
 
-def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("kind", HYBRID_TREES)
+def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, kind: str, monkeypatch: pytest.MonkeyPatch):
     """SGLang's radix cache copies each admitted request's state into a slot of its own after the prefill
     (``cache_unfinished_req``, in the result processing, outside the prefill pass) and asserts it gets one: a slot
     is held for that copy from the admission, past the pass, so another engine filling the device in between
@@ -341,7 +406,7 @@ def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, monkeypatch: pyt
 
     pool = _hybrid(_params("page"))  # one slot a page
     slots, states = pool.mamba_allocator, pool.mamba_pool.kvcached_manager
-    cache, alloc, _ = _mamba_radix(pool, monkeypatch)
+    cache, alloc, _ = _mamba_radix(pool, monkeypatch, kind)
 
     def admitted(n: int, seed: int, hooked: bool):
         req = Req(f"r{seed}", "", array("q", range(seed, seed + n)), SamplingParams(max_new_tokens=4))
@@ -370,6 +435,7 @@ def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, monkeypatch: pyt
     first = admitted(20, 100, hooked=True)
     assert slots.promised == 1 and slots.held_slots == 1  # the copy's slot stays held past the pass, no other
     states.set_limit("kvctl", states.mapped_bytes // states.page_group_bytes)  # another engine takes the rest
+    assert slots.alloc(1) is None  # another allocation outside the pass (a lazy track slot) does not take it
     cache.cache_unfinished_req(first)  # the result processing: the copy takes the held slot
     assert (slots.promised, slots.held_slots, cache.mamba_evictable_size()) == (0, 0, 0)  # the copy is first's
     assert cache.total_size()[1] == 1
@@ -378,3 +444,34 @@ def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, monkeypatch: pyt
     states.set_limit("kvctl", states.mapped_bytes // states.page_group_bytes)
     with pytest.raises(AssertionError, match="Can not alloc mamba cache"):
         cache.cache_unfinished_req(second)
+
+
+def test_a_hold_after_an_eviction_waits_for_the_evicted_pages(sgl, monkeypatch: pytest.MonkeyPatch):
+    """A slot freed while the device may still read it (an engine that overlaps scheduling has a batch running)
+    goes back once that work has run; a hold that evicted cached states for itself waits for it instead of
+    failing, and only then (a plain hold does not wait: it is on every admission's path)."""
+    from kvcached import deferred_free
+
+    class Device:  # the batch in flight: done once someone waits for it
+        waited = 0
+
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            Device.waited += 1
+
+    monkeypatch.setattr(deferred_free, "record_event", lambda device: Device())
+    pool = _hybrid(_params("page"))  # one slot a page: a freed slot empties its page
+    slots, states = pool.mamba_allocator, pool.mamba_pool.kvcached_manager
+    states._deferred = deferred_free.DeferredFree(torch.device("cpu"), states._release)
+    monkeypatch.setattr(states._deferred, "_wait_loop", lambda: None)  # no waiter thread: the test is the device
+    taken = slots.alloc(3)
+    states.set_limit("kvctl", states.mapped_bytes // states.page_group_bytes)  # another engine took the rest
+    slots.free(taken[:1])  # the radix cache evicted a cached state
+    assert states.pending_free_blocks == 1
+    assert not slots.hold(1) and Device.waited == 0
+    assert slots.hold(1, after_eviction=True) and Device.waited == 1 and slots.held_slots == 1
+    slots.release_held()
+    slots.free(taken[1:])
+    states._deferred.flush()

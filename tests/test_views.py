@@ -168,3 +168,22 @@ def test_vllm_kernel_block_size_on_per_layer(layout_env: bool) -> None:
     views[0][0, 2 * b].fill_(1.0)
     views[0][0, 2 * b + 1].fill_(2.0)
     assert views[0][0, 2 * b + 1].max().item() == 2.0 and views[0][0, 2 * b].min().item() == 1.0
+
+
+def test_state_slots_keep_an_unused_array_of_no_bytes() -> None:
+    """A hybrid model may declare a state array it does not use (LFM2's temporal state has a dimension of 0):
+    it takes no bytes and its view is empty; a slot with no bytes at all, or a negative dimension, is refused."""
+    from kvcached.layout import StateSlots, state_views
+
+    conv, unused = ((4, 3), torch.bfloat16), ((1, 256, 0), torch.float32)
+    slots = StateSlots((conv, unused), 3, 2 << 20)
+    assert slots.entry_bytes == StateSlots((conv,), 3, 2 << 20).slot_bytes
+    base = torch.zeros(8 * slots.slot_bytes, dtype=torch.uint8)
+    views = state_views(base, slots, 8)
+    assert views[0].shape == (3, 8, 4, 3) and views[1].shape == (3, 8, 1, 256, 0) and views[1].numel() == 0
+    views[0][1, 2] = 1
+    assert int(base.count_nonzero()) == 12 * 2  # one layer of one slot: 12 bf16 values, nothing else
+    with pytest.raises(KVCachedConfigError, match="take no bytes"):
+        StateSlots((unused,), 3, 2 << 20)
+    with pytest.raises(KVCachedConfigError, match="ints >= 0"):
+        StateSlots((((4, -1), torch.float32),), 3, 2 << 20)

@@ -11,7 +11,8 @@ burst: two engines burst together).
 OUT: the greedy ``tokens`` of ``prompts`` and of ``burst``, with ``logprobs`` their ``decode`` steps as
 ``[token, logprob, lead over the runner-up]`` (tests/e2e/harness.check_decode's input), and (with kvcached)
 ``idle_used``, ``peak_used`` and ``after_used``: the bytes of KV pages in use on this engine's segment before,
-at most during, and after the burst. Every request must finish: a failure is an exception here.
+at most during, and after the burst, and ``pools``: the names of its kvcached pools. Every request must finish:
+a failure is an exception here.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def main(spec: dict, out_path: str) -> None:
         while _used(name) > out["idle_used"] and time.time() < deadline:
             time.sleep(0.1)
         out["after_used"] = _used(name)
+        if name:  # the engine's kvcached pools, by name (a hybrid model's Mamba states: sglang-mamba<group>)
+            from kvcached import mem_info
+
+            out["pools"] = [p["pool_name"] for p in mem_info.read_segment(name).pools]
         if spec.get("logprobs") and "burst_decode" not in out:  # the burst again, unlimited, with its logprobs
             out["burst_decode"] = _decode(engine, spec["burst"], spec["burst_tokens"])
     engine.shutdown()

@@ -159,6 +159,7 @@ def test_hybrid_models_mamba_states_in_kvcached(runs: dict, layout: str) -> None
     plain, r = _result(runs, "hybrid-plain"), _result(runs, f"hybrid-{layout}")
     assert r["tokens"] == plain["tokens"]
     assert r["burst_tokens"] == plain["burst_tokens"]
+    assert any(p.startswith("sglang-mamba") for p in r["pools"]), r["pools"]  # the states are a kvcached pool
     assert r["peak_used"] > r["idle_used"] + 4 * MiB
     assert r["after_used"] <= r["idle_used"]
 

@@ -40,10 +40,18 @@ class Holds:
 
     kvcached: KVCacheManager
 
-    def hold(self, blocks: int) -> bool:
-        """Hold ``blocks`` in all; False (nothing more held) if the rest cannot be had now."""
+    def hold(self, blocks: int, *, after_eviction: bool = False) -> bool:
+        """Hold ``blocks`` in all; False (nothing more held) if the rest cannot be had now. ``after_eviction``:
+        the caller has just freed cached blocks for this, whose pages go back only once the device's work
+        queued before their free has run (an engine that overlaps scheduling has a batch running): wait for it
+        rather than fail."""
         short = int(blocks) - self.held
-        return short <= 0 or self.kvcached.try_to_reserve(short)
+        if short <= 0 or self.kvcached.try_to_reserve(short):
+            return True
+        if not (after_eviction and self.kvcached.pending_free_blocks):
+            return False
+        self.kvcached.wait_pending_frees()
+        return self.kvcached.try_to_reserve(short)
 
     @property
     def held(self) -> int:
@@ -54,6 +62,7 @@ class Holds:
         """Give back every block :meth:`hold` kept."""
         if self.held:
             self.kvcached.free_reserved()
+
 
 class _KvcachedAllocatorMixin(Holds):
     """The parts both page sizes share; ``self`` is also a ``BaseTokenToKVPoolAllocator``."""

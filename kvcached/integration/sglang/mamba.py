@@ -111,6 +111,7 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         # admitted requests a slot is held for past the pass: the copy of their state that SGLang's radix cache
         # takes after their prefill (a request that goes away without it drops out by itself)
         self._promised: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.copying = False  # inside the radix cache's copy (patches): it may take a promised slot
         super().__init__(size=pool.size, device=device)
 
     def available_size(self) -> int:
@@ -126,7 +127,9 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         self._alloc_iter = None
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
-        ids = self.kvcached.alloc(int(need_size))  # held slots first
+        # held slots first, but outside the pass the promised ones are only for the radix cache's copy
+        spare = 0 if self.in_prefill_pass or self.copying else min(self.promised, self.held)
+        ids = self.kvcached.alloc(int(need_size), spare_reserved=spare)
         if ids is None:
             return None
         self._in_use.update(ids)
@@ -150,8 +153,11 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         self._promised.add(req)
 
     def fulfil(self, req: Any) -> None:
-        """``req``'s radix cache copy is made (or will not be): its slot is no longer kept."""
+        """``req``'s radix cache copy is made (or will not be): its slot is no longer kept (outside a pass, a
+        slot the copy did not take goes back now)."""
         self._promised.discard(req)
+        if not self.in_prefill_pass:
+            self.release_held()
 
     @property
     def promised(self) -> int:
@@ -175,3 +181,4 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         self.kvcached.clear()  # held slots go too
         self._in_use.clear()
         self._promised = weakref.WeakSet()
+        self.copying = False

@@ -80,12 +80,14 @@ def _patch_pool_classes() -> None:
     cfg.PagedTokenToKVPoolAllocator = allocator.KvcachedPagedTokenToKVPoolAllocator
     _patch_mamba_pool()
 
+    from sglang.srt.runtime_context import get_server_args
+
     def checked_init_pools(original: Any) -> Any:
         def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
             check_layout_features(pools.contiguous_layout(), cfg.get_memory(), cfg.get_disagg(), cfg.get_spec())
             result = original(self, *args, **kwargs)
             check_pools(result.token_to_kv_pool, result.token_to_kv_pool_allocator)
-            check_state_pool(getattr(result, "req_to_token_pool", None))
+            check_state_pool(getattr(result, "req_to_token_pool", None), get_server_args())
             return result
 
         return _init_pools
@@ -161,9 +163,10 @@ def _patch_mamba_pool() -> None:
     wrap_once(HybridReqToTokenPool, "_init_mamba_pool", with_kvcached_slots)
 
 
-def check_state_pool(req_to_token_pool: Any) -> None:
+def check_state_pool(req_to_token_pool: Any, server_args: Any) -> None:
     """KVCachedConfigError if a hybrid model's Mamba states are not kvcached's (a pool class SGLang chose
-    instead of ``mamba_pool_cls``): their memory would be a static share beside kvcached's."""
+    instead of ``mamba_pool_cls``): their memory would be a static share beside kvcached's; or if
+    ``server_args`` name a feature or kernel that reads them as dense rows (:func:`check_state_readers`)."""
     from kvcached.integration.sglang import mamba
 
     pool = getattr(req_to_token_pool, "mamba_pool", None)
@@ -175,6 +178,40 @@ def check_state_pool(req_to_token_pool: Any) -> None:
             f"this SGLang configuration keeps Mamba states in {type(pool).__name__}, which kvcached does not "
             "provide. Unset ENABLE_KVCACHED for this model or option."
         )
+    check_state_readers(server_args)
+
+
+# Kernels that take the state slot's stride (SGLang's own list for its strided page-major states); ``cutedsl``
+# only for MLA hybrids (KDA), whose cutedsl kernels are stride-safe.
+STRIDED_STATE_KERNELS = {"linear_attn_decode_backend": {"triton", "flashinfer"},
+                         "linear_attn_prefill_backend": {"triton", "flashkda"},
+                         "mamba_backend": {"triton"}}
+
+
+def check_state_readers(server_args: Any) -> None:
+    """KVCachedConfigError for what would read kvcached's Mamba states, whose slots are strided, as dense rows
+    (pointer + slot x slot bytes): the hierarchical cache's and PD disaggregation's state transfers, in either
+    layout, and kernels that are not stride-aware."""
+    hicache = getattr(server_args, "enable_hierarchical_cache", False)
+    pd = getattr(server_args, "disaggregation_mode", "null") not in (None, "null")
+    if hicache or pd:
+        what = "the hierarchical cache (--enable-hierarchical-cache)" if hicache else "prefill/decode disaggregation"
+        raise KVCachedConfigError(
+            f"{what} copies a hybrid model's Mamba states as dense rows, which kvcached's state slots are not; "
+            "turn it off or unset ENABLE_KVCACHED for this model."
+        )
+    mla = getattr(server_args, "use_mla_backend", lambda: False)()
+    for arg, allowed in STRIDED_STATE_KERNELS.items():
+        chosen = getattr(server_args, arg, None)
+        if arg.startswith("linear_attn"):
+            chosen = chosen or getattr(server_args, "linear_attn_backend", None)
+            allowed = allowed | ({"cutedsl"} if mla else set())
+        if chosen not in allowed | {None}:
+            flag = "--" + arg.replace("_", "-")
+            raise KVCachedConfigError(
+                f"{flag}={chosen} reads Mamba states as dense rows; kvcached's state slots are strided, which "
+                f"only {sorted(allowed)} read. Pass {flag} triton (or unset ENABLE_KVCACHED)."
+            )
 
 
 def state_slots_of(req_to_token_pool: Any) -> Any:
@@ -199,9 +236,12 @@ def state_slots_needed(req_to_token_pool: Any, req: Any) -> int:
 
 def state_copies(tree_cache: Any) -> int:
     """1 where the radix cache copies a request's state into a slot of its own after the request's prefill
-    (SGLang's ``MambaRadixCache.cache_unfinished_req``, in the result processing, outside the prefill pass)."""
+    (``cache_unfinished_req`` of SGLang's hybrid radix caches, in the result processing, outside the pass)."""
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+    if isinstance(tree_cache, UnifiedRadixCache):
+        return int(tree_cache.supports_mamba() and not tree_cache.disable)
     return int(isinstance(tree_cache, MambaRadixCache) and not tree_cache.disable)
 
 
@@ -218,11 +258,12 @@ def holding_state_slots(original: Any) -> Any:
         if slots is not None and slots.in_prefill_pass:
             need = state_slots_needed(pool, self) + state_copies(tree_cache)
             if need and not slots.hold(slots.held_slots + need):
-                if tree_cache.supports_mamba():
+                evicted = tree_cache.supports_mamba()
+                if evicted:
                     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
                     tree_cache.evict(EvictParams(num_tokens=0, mamba_num=need))
-                if not slots.hold(slots.held_slots + need):
+                if not slots.hold(slots.held_slots + need, after_eviction=evicted):
                     self._kvcached_no_state_slot = True
                     cow_mamba = False
         return original(self, tree_cache, cow_mamba)
@@ -232,11 +273,12 @@ def holding_state_slots(original: Any) -> Any:
 
 def evictable(cache: Any) -> tuple[int, int] | None:
     """(cached tokens, cached Mamba states) that ``cache`` could evict now; None for a cache kvcached does not
-    bound (a hybrid model's ``MambaRadixCache`` is not a ``RadixCache``)."""
+    bound (SGLang's hybrid and unified radix caches are not ``RadixCache`` subclasses)."""
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    if isinstance(cache, MambaRadixCache):
+    if isinstance(cache, (MambaRadixCache, UnifiedRadixCache)):  # a unified cache without Mamba counts 0 states
         return cache.full_evictable_size(), cache.mamba_evictable_size()
     if isinstance(cache, RadixCache):
         return cache.evictable_size(), 0
@@ -266,6 +308,7 @@ def _patch_radix_cache() -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     def bounded(original: Any) -> Any:
         def cache_finished_req(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -281,24 +324,30 @@ def _patch_radix_cache() -> None:
 
         return cache_finished_req
 
-    wrap_once(RadixCache, "cache_finished_req", bounded)
-    wrap_once(MambaRadixCache, "cache_finished_req", bounded)
-    for name in ("cache_unfinished_req", "cache_finished_req"):
-        wrap_once(MambaRadixCache, name, fulfilling_state_copy, marker="_kvcached_promise")
+    # SGLang builds UnifiedRadixCache for hybrid models (0.5.17-0.5.19) and for every model from 0.5.19;
+    # MambaRadixCache when a release or a configuration picks it
+    for cls in (RadixCache, MambaRadixCache, UnifiedRadixCache):
+        wrap_once(cls, "cache_finished_req", bounded)
+    for cls in (MambaRadixCache, UnifiedRadixCache):
+        for name in ("cache_unfinished_req", "cache_finished_req"):
+            wrap_once(cls, name, fulfilling_state_copy, marker="_kvcached_promise")
     wrap_once(Scheduler, "on_idle", yield_on_idle)
 
 
 def fulfilling_state_copy(original: Any) -> Any:
-    """``MambaRadixCache.cache_(un)finished_req`` after which the request's promised slot is no longer kept: the
+    """A hybrid radix cache's ``cache_(un)finished_req`` after which the request's promised slot is no longer kept: the
     copy took it (an allocation takes held slots first) or, for a finished request, was not made."""
 
     def cache_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        slots = state_slots_of(self.req_to_token_pool)
+        if slots is None:
+            return original(self, req, *args, **kwargs)
+        slots.copying = True
         try:
             return original(self, req, *args, **kwargs)
         finally:
-            slots = state_slots_of(self.req_to_token_pool)
-            if slots is not None:
-                slots.fulfil(req)
+            slots.copying = False
+            slots.fulfil(req)
 
     return cache_req
 
@@ -370,7 +419,7 @@ def hold_prefill(adder: Any, req: Any, new_tokens: int) -> bool:
         return False
     with adder._lock_node(req.last_node):  # its cached prefix is the request's own: not to be evicted for it
         cache.evict(EvictParams(num_tokens=(pages - alloc.held_pages) * page))
-    return alloc.hold(pages)
+    return alloc.hold(pages, after_eviction=True)
 
 
 def holding_admission(original: Any) -> Any:
@@ -442,10 +491,13 @@ def releasing_prefill_holds(original: Any) -> Any:
             return original(self, *args, **kwargs)
         finally:
             alloc.in_prefill_pass = False
-            alloc.release_held()
             if slots is not None:
                 slots.in_prefill_pass = False
-                slots.release_held()
+            try:
+                alloc.release_held()
+            finally:
+                if slots is not None:
+                    slots.release_held()
 
     return _get_new_batch_prefill_raw
 
