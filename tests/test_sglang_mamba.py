@@ -125,7 +125,7 @@ def _defaults(**changed) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("mla", [False, True])
-def test_what_reads_states_as_dense_rows_is_refused(sgl, mla: bool):
+def test_what_reads_states_as_dense_rows_is_refused(sgl, mla: bool, monkeypatch: pytest.MonkeyPatch):
     """kvcached's state slots are strided: SGLang's hierarchical cache and PD transfers (pointer + slot x bytes)
     and kernels that do not take the slot stride would read other slots or unmapped pages, in either layout."""
     from kvcached.errors import KVCachedConfigError
@@ -153,6 +153,11 @@ def test_what_reads_states_as_dense_rows_is_refused(sgl, mla: bool):
     else:
         with pytest.raises(KVCachedConfigError, match="cutedsl"):
             check(linear_attn_backend="cutedsl")
+    import sglang.srt.runtime_context as ctx  # inside an engine: the arguments it published
+
+    monkeypatch.setattr(ctx, "get_server_args", lambda: _defaults(enable_hierarchical_cache=True))
+    with pytest.raises(KVCachedConfigError, match="hierarchical cache"):
+        patches.check_state_pool(pool)
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))

@@ -80,14 +80,12 @@ def _patch_pool_classes() -> None:
     cfg.PagedTokenToKVPoolAllocator = allocator.KvcachedPagedTokenToKVPoolAllocator
     _patch_mamba_pool()
 
-    from sglang.srt.runtime_context import get_server_args
-
     def checked_init_pools(original: Any) -> Any:
         def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
             check_layout_features(pools.contiguous_layout(), cfg.get_memory(), cfg.get_disagg(), cfg.get_spec())
             result = original(self, *args, **kwargs)
             check_pools(result.token_to_kv_pool, result.token_to_kv_pool_allocator)
-            check_state_pool(getattr(result, "req_to_token_pool", None), get_server_args())
+            check_state_pool(getattr(result, "req_to_token_pool", None))
             return result
 
         return _init_pools
@@ -163,10 +161,11 @@ def _patch_mamba_pool() -> None:
     wrap_once(HybridReqToTokenPool, "_init_mamba_pool", with_kvcached_slots)
 
 
-def check_state_pool(req_to_token_pool: Any, server_args: Any) -> None:
+def check_state_pool(req_to_token_pool: Any, server_args: Any = None) -> None:
     """KVCachedConfigError if a hybrid model's Mamba states are not kvcached's (a pool class SGLang chose
-    instead of ``mamba_pool_cls``): their memory would be a static share beside kvcached's; or if
-    ``server_args`` name a feature or kernel that reads them as dense rows (:func:`check_state_readers`)."""
+    instead of ``mamba_pool_cls``): their memory would be a static share beside kvcached's; or if the server
+    arguments (``server_args``, else the engine's) name a feature or kernel that reads them as dense rows
+    (:func:`check_state_readers`)."""
     from kvcached.integration.sglang import mamba
 
     pool = getattr(req_to_token_pool, "mamba_pool", None)
@@ -178,6 +177,10 @@ def check_state_pool(req_to_token_pool: Any, server_args: Any) -> None:
             f"this SGLang configuration keeps Mamba states in {type(pool).__name__}, which kvcached does not "
             "provide. Unset ENABLE_KVCACHED for this model or option."
         )
+    if server_args is None:
+        from sglang.srt.runtime_context import get_server_args
+
+        server_args = get_server_args()
     check_state_readers(server_args)
 
 
