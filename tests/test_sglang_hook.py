@@ -447,7 +447,8 @@ def test_kvctl_limit_below_demand_makes_requests_wait(sgl, page: int, eventually
 
 def _tree(kind: str, rtp, alloc, page: int):
     """SGLang's radix cache of plain models: ``RadixCache`` up to 0.5.18, ``UnifiedRadixCache`` (FULL only)
-    from 0.5.19 on (and before, with SGLANG_ENABLE_UNIFIED_RADIX_TREE=1)."""
+    from 0.5.19 on (and before, with SGLANG_ENABLE_UNIFIED_RADIX_TREE=1), a ``RadixCache`` in SGLang's
+    streaming-session wrapper."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -456,11 +457,15 @@ def _tree(kind: str, rtp, alloc, page: int):
     params = CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=page)
     if kind == "radix":
         return RadixCache(params)
+    if kind == "streaming":  # --enable-streaming-session around a cache without sessions of its own
+        from sglang.srt.session.streaming_session import StreamingSession
+
+        return StreamingSession(RadixCache(params))
     params.tree_components = (ComponentType.FULL,)
     return UnifiedRadixCache(params)
 
 
-TREES = ["radix", "unified"]
+TREES = ["radix", "unified", "streaming"]
 
 
 @pytest.mark.parametrize("kind", TREES)
@@ -683,11 +688,11 @@ def test_radix_cache_yields_on_a_full_device(sgl, page: int, kind: str, monkeypa
     pa = pool.kvcached_manager.page_allocator
     finish(1000)
     assert cache.evictable_size() == 320 and not pa.device_tight()
-    cache._kvcached_pressure_checked = 0.0
+    patches.radix_of(cache)._kvcached_pressure_checked = 0.0
     assert patches.yield_if_tight(cache) == 0  # room on the device: the cache stays
     free, total = pa.backend.mem_info()
     pa.backend.set_host_limit(total - free)  # another process took the rest of the device
-    cache._kvcached_pressure_checked = 0.0
+    patches.radix_of(cache)._kvcached_pressure_checked = 0.0
     finish(5000)  # the next finished request gives every cached prefix back
     assert cache.evictable_size() == 0 and pa.device_tight()
     assert pool.kvcached_manager.num_allocated_blocks() == 1  # the padding page only
@@ -696,10 +701,11 @@ def test_radix_cache_yields_on_a_full_device(sgl, page: int, kind: str, monkeypa
     assert cache.evictable_size() == 320
     pa.backend.set_host_limit(total - pa.backend.mem_info()[0])
     idle = patches.yield_on_idle(lambda self: "idle pass")
-    cache._kvcached_pressure_checked = 0.0
+    patches.radix_of(cache)._kvcached_pressure_checked = 0.0
     assert idle(SimpleNamespace(tree_cache=cache)) == "idle pass"
     assert cache.evictable_size() == 0
-    cache._kvcached_pressure_checked = time.monotonic() + 60  # read just now: not again within PRESSURE_CHECK_S
+    # read just now: not again within PRESSURE_CHECK_S
+    patches.radix_of(cache)._kvcached_pressure_checked = time.monotonic() + 60
     finish(12000)
     assert cache.evictable_size() == 320
     pa.backend.set_host_limit(total)

@@ -237,12 +237,21 @@ def state_slots_needed(req_to_token_pool: Any, req: Any) -> int:
     return need
 
 
+def radix_of(cache: Any) -> Any:
+    """The radix cache behind SGLang's streaming-session wrapper (``--enable-streaming-session`` around a cache
+    without sessions of its own), else ``cache``."""
+    from sglang.srt.session.streaming_session import StreamingSession
+
+    return cache.inner if isinstance(cache, StreamingSession) else cache
+
+
 def state_copies(tree_cache: Any) -> int:
     """1 where the radix cache copies a request's state into a slot of its own after the request's prefill
     (``cache_unfinished_req`` of SGLang's hybrid radix caches, in the result processing, outside the pass)."""
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+    tree_cache = radix_of(tree_cache)
     if isinstance(tree_cache, UnifiedRadixCache):
         return int(tree_cache.supports_mamba() and not tree_cache.disable)
     return int(isinstance(tree_cache, MambaRadixCache) and not tree_cache.disable)
@@ -281,6 +290,7 @@ def evictable(cache: Any) -> tuple[int, int] | None:
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+    cache = radix_of(cache)
     if isinstance(cache, (MambaRadixCache, UnifiedRadixCache)):  # a unified cache without Mamba counts 0 states
         return cache.full_evictable_size(), cache.mamba_evictable_size()
     if isinstance(cache, RadixCache):
@@ -294,6 +304,7 @@ def yield_if_tight(cache: Any) -> int:
     scheduler calls this on every idle pass)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+    cache = radix_of(cache)  # one cache, one pressure reading: the scheduler's (wrapper) and its own (bound)
     alloc = getattr(cache, "token_to_kv_pool_allocator", None)
     sizes = evictable(cache)
     if sizes is None or not isinstance(alloc, _kvcached_allocators()):
