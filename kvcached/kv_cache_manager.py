@@ -441,8 +441,7 @@ class KVCacheManager:
     def clear(self) -> None:
         """Free every block (held reservations too); the null block stays reserved."""
         pool = self._pool or self._bind()
-        if self._deferred is not None:
-            self._deferred.flush()
+        self.wait_pending_frees()
         with self._reserved_lock:
             self._reserved = []
         if pool.num_allocated() == 0:

@@ -128,7 +128,7 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
         # held slots first, but outside the pass the promised ones are only for the radix cache's copy
-        spare = 0 if self.in_prefill_pass or self.copying else min(self.promised, self.held)
+        spare = 0 if self.in_prefill_pass or self.copying else self.promised
         ids = self.kvcached.alloc(int(need_size), spare_reserved=spare)
         if ids is None:
             return None

@@ -110,16 +110,22 @@ def _patch_pool_classes() -> None:
     wrap_once(cfg.KVCacheConfigurator, "_profile_available_bytes", device_share)
 
 
+def dense_row_features(memory: Any, disagg: Any, spec: Any = None) -> list[str]:
+    """The SGLang features on in these argument groups that copy a pool's rows as dense (pointer + slot x row
+    bytes): the hierarchical cache, PD disaggregation and (``spec`` given) speculative decoding's KV copy."""
+    return [what for what, on in (
+        ("the hierarchical cache (--enable-hierarchical-cache)", getattr(memory, "enable_hierarchical_cache", False)),
+        ("prefill/decode disaggregation", getattr(disagg, "disaggregation_mode", "null") not in (None, "null")),
+        ("speculative decoding (its KV copy)", getattr(spec, "speculative_algorithm", None) is not None),
+    ) if on]
+
+
 def check_layout_features(contiguous: bool, memory: Any, disagg: Any, spec: Any) -> None:
     """KVCachedConfigError for SGLang features that address KV rows as dense (pointer + slot x row bytes, from
     ``data_ptrs`` / ``get_contiguous_buf_infos``), which the contiguous layout's strided views are not."""
     if not contiguous:
         return
-    uses = [what for what, on in (
-        ("the hierarchical cache (--enable-hierarchical-cache)", getattr(memory, "enable_hierarchical_cache", False)),
-        ("prefill/decode disaggregation", getattr(disagg, "disaggregation_mode", "null") not in (None, "null")),
-        ("speculative decoding (its KV copy)", getattr(spec, "speculative_algorithm", None) is not None),
-    ) if on]
+    uses = dense_row_features(memory, disagg, spec)
     if uses:
         raise KVCachedConfigError(
             f"{uses[0]} reads SGLang's KV rows as dense, which kvcached's contiguous layout is not; use the "
@@ -195,12 +201,10 @@ def check_state_readers(server_args: Any) -> None:
     """KVCachedConfigError for what would read kvcached's Mamba states, whose slots are strided, as dense rows
     (pointer + slot x slot bytes): the hierarchical cache's and PD disaggregation's state transfers, in either
     layout, and kernels that are not stride-aware."""
-    hicache = getattr(server_args, "enable_hierarchical_cache", False)
-    pd = getattr(server_args, "disaggregation_mode", "null") not in (None, "null")
-    if hicache or pd:
-        what = "the hierarchical cache (--enable-hierarchical-cache)" if hicache else "prefill/decode disaggregation"
+    uses = dense_row_features(server_args, server_args)  # speculative decoding: refused by the pool itself
+    if uses:
         raise KVCachedConfigError(
-            f"{what} copies a hybrid model's Mamba states as dense rows, which kvcached's state slots are not; "
+            f"{uses[0]} copies a hybrid model's Mamba states as dense rows, which kvcached's state slots are not; "
             "turn it off or unset ENABLE_KVCACHED for this model."
         )
     mla = getattr(server_args, "use_mla_backend", lambda: False)()
