@@ -311,12 +311,20 @@ class KVCacheManager:
             pool.free(indices)
             return
         ids = _read_once(indices)
-        # The engine reuses a block in stream order, as it does without kvcached: only an
-        # unmap can hurt work still queued, so only the blocks that would empty a page wait.
         try:
             later = pool.free_keeping_pages(ids)  # all-or-nothing: a pending id counts as freed
         except ValueError as refused:  # the manager's own message, worked out only now, off the fast path
             raise self._deferred_ids_error(pool, ids) or refused from None
+        self._after_device(pool, later)
+
+    def _after_device(self, pool: Any, later: list[int]) -> None:
+        """Give ``later`` (blocks ``free_keeping_pages`` left pending) back once the device work launched so far ran.
+
+        The engine reuses a block in stream order, as it does without kvcached: only an unmap can hurt work still
+        queued, so only the blocks that would empty a page wait. A block freed at once because another allocated
+        block (a held one too) kept its page may still be read by queued work: whichever free empties that page
+        later, in :meth:`free` or in :meth:`free_reserved`, must wait too.
+        """
         if not later:
             return
         try:
@@ -395,8 +403,18 @@ class KVCacheManager:
             raise ValueError(f"free_reserved: keep must be an int >= 0, got {keep!r}.")
         with self._reserved_lock:
             held, self._reserved = self._reserved[keep:], self._reserved[:keep]
-        if held:
+        if not held:
+            return
+        if self._deferred is None:
             pool.free(held)
+            return
+        try:  # a held block may be all that kept a page mapped under queued work on its other blocks
+            self._after_device(pool, pool.free_keeping_pages(held))
+        except BaseException:
+            # no event to wait for (a broken device context): those not given back at once stay held
+            with self._reserved_lock:
+                self._reserved.extend(i for i in held if pool.is_allocated(i))
+            raise
 
     def trim(self) -> None:
         """Unmap every mapped page that holds no block (the prealloc reserve)."""

@@ -212,6 +212,46 @@ def test_a_pending_block_does_not_keep_its_page_for_later_frees(manager: KVCache
     assert _until(lambda: manager.get_mapped_memory_size() == 0)
 
 
+def test_a_held_block_given_back_waits_for_the_work_on_its_page(manager: KVCacheManager,
+                                                                events: list[FakeEvent]) -> None:
+    # A block held by try_to_reserve keeps its page, so a running request's block freed beside it returns at
+    # once while the device may still read it (a batch in flight). Giving the held block back then empties
+    # the page: that release, not only a free(), must wait for the work launched so far.
+    a = manager.alloc(31)
+    assert manager.try_to_reserve(1)  # the page's last block: held for an admission
+    manager.free(a)
+    assert not events and manager.pending_free_blocks == 0  # the held block keeps the page
+    manager.free_reserved()  # the admission did not happen
+    assert len(events) == 1 and manager.pending_free_blocks == 1
+    time.sleep(0.05)
+    assert manager.get_mapped_memory_size() == 2 * (2 << 20)  # not unmapped under a's readers
+    events[0].done = True
+    assert _until(lambda: manager.get_mapped_memory_size() == 0)
+    assert manager.pending_free_blocks == 0 and manager.num_allocated_blocks() == 0
+
+
+def test_a_held_block_whose_release_cannot_wait_stays_held(manager: KVCacheManager, events: list[FakeEvent],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    a = manager.alloc(30)
+    assert manager.try_to_reserve(2)
+    assert {b // 32 for b in manager.reserved_blocks} == {0}  # beside a, on page 0
+    manager.free(a)
+    assert manager.num_allocated_blocks() == 2  # the held blocks kept the page: a went back at once
+
+    def broken(device: object) -> FakeEvent:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(deferred_free, "record_event", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        manager.free_reserved()  # the held blocks empty page 0: they cannot go back without an event
+    assert manager.num_reserved_blocks == 2 and manager.num_allocated_blocks() == 2
+    assert manager.get_mapped_memory_size() == 2 * (2 << 20)
+    monkeypatch.undo()
+    monkeypatch.setattr(deferred_free, "record_event", lambda device: events.append(FakeEvent()) or events[-1])
+    manager.free_reserved()  # given back once the device works
+    assert manager.num_reserved_blocks == 0 and manager.pending_free_blocks == 2
+
+
 def test_a_failed_event_leaves_the_waiting_blocks_allocated(manager: KVCacheManager, events: list[FakeEvent],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = manager.alloc(34)
