@@ -229,6 +229,12 @@ def test_freeing_a_slot_twice_raises(sgl):
     assert set(pool.mamba_allocator.free_slots.tolist()) == set(range(1, 25)) - {int(ids[1])}
     with pytest.raises(ValueError, match="freed twice"):
         pool.mamba_allocator.free(torch.tensor([7]))
+    # -1 is no slot: SGLang's streaming session frees a lazy track buffer's unused half (-1) as it is
+    pool.mamba_allocator.free(torch.tensor([int(ids[1]), -1]))
+    assert set(pool.mamba_allocator.free_slots.tolist()) == set(range(1, 25))
+    pool.mamba_allocator.free(torch.tensor([-1, -1]))
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.mamba_allocator.free(torch.tensor([-2]))
 
 
 @pytest.mark.parametrize("option", ["speculative_num_draft_tokens", "envelope_layout", "enable_linear_replayssm"])
@@ -441,6 +447,11 @@ def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, kind: str, monke
     assert slots.promised == 1 and slots.held_slots == 1  # the copy's slot stays held past the pass, no other
     states.set_limit("kvctl", states.mapped_bytes // states.page_group_bytes)  # another engine takes the rest
     assert slots.alloc(1) is None  # another allocation outside the pass (a lazy track slot) does not take it
+    slots.in_prefill_pass = True  # nor in the next pass, which an overlapping scheduler runs before first's result:
+    assert slots.alloc(1) is None  # a running request's lazy track slot for a mixed chunk's decode
+    slots.in_prefill_pass = False
+    slots.release_held()
+    assert slots.promised == 1 and slots.held_slots == 1
     cache.cache_unfinished_req(first)  # the result processing: the copy takes the held slot
     assert (slots.promised, slots.held_slots, cache.mamba_evictable_size()) == (0, 0, 0)  # the copy is first's
     assert cache.total_size()[1] == 1

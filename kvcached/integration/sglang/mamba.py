@@ -127,8 +127,10 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         self._alloc_iter = None
 
     def _do_alloc(self, need_size: int) -> torch.Tensor | None:
-        # held slots first, but outside the pass the promised ones are only for the radix cache's copy
-        spare = 0 if self.in_prefill_pass or self.copying else self.promised
+        # held slots first, but the promised ones only for the radix cache's copy: in a pass too, where a running
+        # request's lazy track slot (a mixed chunk's decode) would take one promised in the pass before, whose
+        # copy (that batch's result, processed after this pass under overlap scheduling) then finds none
+        spare = 0 if self.copying else self.promised
         ids = self.kvcached.alloc(int(need_size), spare_reserved=spare)
         if ids is None:
             return None
@@ -138,7 +140,10 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
             return
-        ids = [int(i) for i in free_index.flatten().tolist()]
+        # -1: no slot (a lazy ping-pong track buffer's unused half), which SGLang's streaming session frees as it is
+        ids = [i for i in (int(i) for i in free_index.flatten().tolist()) if i != -1]
+        if not ids:
+            return
         bad = [i for i in ids if i not in self._in_use]
         if bad or len(set(ids)) != len(ids):
             raise ValueError(f"Mamba slots {sorted(set(bad) or ids)[:8]} are freed twice or were never handed out; "
