@@ -20,7 +20,8 @@
 # is unpacked in a subshell, probe.py names what SGLang cannot import, then tests/gpu/test_sglang_gpu.py runs (its
 # SGLang + vLLM test also needs the vLLM bundle, carried in an earlier call: a warm machine keeps it). Not in `all`.
 # Each SGLang engine takes ~80 s there; the test runs its 10 engines 4 at a time (KVCACHED_SGLANG_GPU_PARALLEL), and
-# SGLANG_TESTS_K passes a -k filter, KVCACHED_SGLANG_GPU_ONLY the engines to start (tag prefixes: plain,limit).
+# SGLANG_TESTS_K passes a -k filter, KVCACHED_SGLANG_GPU_ONLY the engines to start (tag prefixes: plain,limit),
+# KVCACHED_SGLANG_GPU_TIMEOUT the seconds the engines get (default 900; those not done by then fail their tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
