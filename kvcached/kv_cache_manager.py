@@ -457,7 +457,8 @@ class KVCacheManager:
         return int((self._pool or self._bind()).num_allocated())
 
     def clear(self) -> None:
-        """Free every block (held reservations too); the null block stays reserved."""
+        """Free every block (held reservations too), once the device work queued so far has run; the null block
+        stays reserved."""
         pool = self._pool or self._bind()
         self.wait_pending_frees()
         with self._reserved_lock:
@@ -469,8 +470,16 @@ class KVCacheManager:
             ids = [i for i in pool.allocated_ids() if i != keep]
         else:
             ids = [i for i in range(self.num_blocks) if i != keep and pool.is_allocated(i)]
-        if ids:
+        if not ids:
+            return
+        if self._deferred is None:
             pool.free(ids)
+            return
+        # work queued before the reset (an overlapping engine's last batch) may still read them: the pages go once
+        # it has run, and before this returns (a host sync: callers, such as SGLang's flush_cache, expect the pool
+        # empty now; a reset is rare and idle)
+        self._after_device(pool, pool.free_keeping_pages(ids))
+        self._deferred.flush()
 
     def close(self) -> None:
         """Unmap everything and detach from the KV tensors (their pages read as zeros)."""

@@ -132,6 +132,19 @@ def test_close_waits_for_the_device(manager: KVCacheManager, events: list[FakeEv
     assert events[0].waited and time.monotonic() - t0 >= 0.15
 
 
+def test_clear_frees_once_the_device_is_done(manager: KVCacheManager, events: list[FakeEvent]) -> None:
+    # an engine's reset (SGLang's flush_cache) with its last batch maybe still queued: no page is unmapped
+    # under it, and the pool is empty when clear() returns
+    manager.alloc(40)  # page 0 full, 8 blocks on page 1
+    assert manager.try_to_reserve(2)
+    threading.Timer(0.2, lambda: [e.flag.set() for e in events]).start()
+    t0 = time.monotonic()
+    manager.clear()
+    assert len(events) == 1 and events[0].waited and time.monotonic() - t0 >= 0.15
+    assert manager.num_allocated_blocks() == 0 and manager.pending_free_blocks == 0
+    assert manager.num_reserved_blocks == 0 and manager.get_mapped_memory_size() == 0
+
+
 def test_host_backend_frees_at_once_by_default(monkeypatch: pytest.MonkeyPatch, events: list[FakeEvent]) -> None:
     monkeypatch.setenv("KVCACHED_HOST_MEM_LIMIT_MB", "64")
     vmm_ops.init_kvcached("cpu", contiguous_layout=True)
