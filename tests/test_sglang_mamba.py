@@ -327,6 +327,43 @@ def test_the_pass_gives_back_what_it_held(sgl):
     assert pool.mamba_pool.kvcached_manager.mapped_bytes == mapped
 
 
+def test_a_promise_ends_with_its_prefill_result_even_without_the_copy(sgl):
+    """A slot promised for the radix cache's copy of a request's state goes back once the batch's result is
+    processed, also where SGLang does not call the cache for the request (``skip_radix_cache_insert``; a streaming
+    session's own cache): else it stayed held for the request's whole life."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+    from kvcached.integration.sglang import patches
+
+    assert getattr(SchedulerBatchResultProcessor.process_batch_result_prefill, "_kvcached_promise", False)
+    pool = _hybrid(_params("page"))  # one slot a page
+    slots, states = pool.mamba_allocator, pool.mamba_pool.kvcached_manager
+    mapped = states.mapped_bytes
+    class Req:  # the promises are weak references, as SGLang's Req objects allow
+        pass
+
+    req, other = Req(), Req()
+    slots.in_prefill_pass = True  # the pass admitted both: a copy slot held and promised for each
+    assert slots.hold(2)
+    slots.promise(req)
+    slots.promise(other)
+    slots.in_prefill_pass = False
+    slots.release_held()
+    assert (slots.promised, slots.held_slots) == (2, 2)
+    seen = []
+
+    def skipped(self, batch, result):  # SGLang's processing of req's result, the cache not called for it
+        seen.append((batch, result))
+
+    processor = SimpleNamespace(req_to_token_pool=pool)
+    patches.fulfilling_after_prefill(skipped)(processor, SimpleNamespace(reqs=[req]), "result")
+    assert seen and (slots.promised, slots.held_slots) == (1, 1)  # other's batch is still in flight
+    with pytest.raises(RuntimeError, match="boom"):  # an error in the processing ends the batch's promises too
+        patches.fulfilling_after_prefill(lambda self, batch, result: (_ for _ in ()).throw(RuntimeError("boom")))(
+            processor, SimpleNamespace(reqs=[other]), None)
+    assert (slots.promised, slots.held_slots) == (0, 0) and states.mapped_bytes == mapped
+
+
 # SGLang's radix caches of hybrid models: UnifiedRadixCache (FULL and MAMBA components) is the one its
 # registry builds in 0.5.17-0.5.19; MambaRadixCache the one a release or configuration may pick instead
 HYBRID_TREES = ["unified", "mamba"]

@@ -157,10 +157,11 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         """Keep one held slot for ``req`` past the prefill pass (see :meth:`release_held`)."""
         self._promised.add(req)
 
-    def fulfil(self, req: Any) -> None:
-        """``req``'s radix cache copy is made (or will not be): its slot is no longer kept (outside a pass, a
-        slot the copy did not take goes back now)."""
-        self._promised.discard(req)
+    def fulfil(self, *reqs: Any) -> None:
+        """``reqs``' radix cache copies are made (or will not be): their slots are no longer kept (outside a pass,
+        a slot a copy did not take goes back now)."""
+        for req in reqs:
+            self._promised.discard(req)
         if not self.in_prefill_pass:
             self.release_held()
 

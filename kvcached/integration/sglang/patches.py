@@ -350,6 +350,27 @@ def _patch_radix_cache() -> None:
         for name in ("cache_unfinished_req", "cache_finished_req"):
             wrap_once(cls, name, fulfilling_state_copy, marker="_kvcached_promise")
     wrap_once(Scheduler, "on_idle", yield_on_idle)
+    from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+
+    wrap_once(SchedulerBatchResultProcessor, "process_batch_result_prefill", fulfilling_after_prefill,
+              marker="_kvcached_promise")
+
+
+def fulfilling_after_prefill(original: Any) -> Any:
+    """``process_batch_result_prefill`` after which no request of the batch keeps a promised slot: the radix cache's
+    copies of their states are made there, or skipped where SGLang does not call the cache for a request
+    (``skip_radix_cache_insert``, a streaming session's own cache), which would otherwise keep the slot held for
+    the request's whole life."""
+
+    def process_batch_result_prefill(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, batch, *args, **kwargs)
+        finally:
+            slots = state_slots_of(getattr(self, "req_to_token_pool", None))
+            if slots is not None and slots.promised:
+                slots.fulfil(*getattr(batch, "reqs", ()))
+
+    return process_batch_result_prefill
 
 
 def fulfilling_state_copy(original: Any) -> Any:
