@@ -317,6 +317,13 @@ class KVCacheManager:
             raise self._deferred_ids_error(pool, ids) or refused from None
         self._after_device(pool, later)
 
+    def _give_back(self, pool: Any, ids: list[int]) -> None:
+        """Free ids the manager itself holds (no check needed), those that empty a page once the device is done."""
+        if self._deferred is None:
+            pool.free(ids)
+        else:
+            self._after_device(pool, pool.free_keeping_pages(ids))
+
     def _after_device(self, pool: Any, later: list[int]) -> None:
         """Give ``later`` (blocks ``free_keeping_pages`` left pending) back once the device work launched so far ran.
 
@@ -405,11 +412,8 @@ class KVCacheManager:
             held, self._reserved = self._reserved[keep:], self._reserved[:keep]
         if not held:
             return
-        if self._deferred is None:
-            pool.free(held)
-            return
         try:  # a held block may be all that kept a page mapped under queued work on its other blocks
-            self._after_device(pool, pool.free_keeping_pages(held))
+            self._give_back(pool, held)
         except BaseException:
             # no event to wait for (a broken device context): those not given back at once stay held
             with self._reserved_lock:
@@ -470,16 +474,12 @@ class KVCacheManager:
             ids = [i for i in pool.allocated_ids() if i != keep]
         else:
             ids = [i for i in range(self.num_blocks) if i != keep and pool.is_allocated(i)]
-        if not ids:
-            return
-        if self._deferred is None:
-            pool.free(ids)
-            return
-        # work queued before the reset (an overlapping engine's last batch) may still read them: the pages go once
-        # it has run, and before this returns (a host sync: callers, such as SGLang's flush_cache, expect the pool
-        # empty now; a reset is rare and idle)
-        self._after_device(pool, pool.free_keeping_pages(ids))
-        self._deferred.flush()
+        if ids:
+            # work queued before the reset (an overlapping engine's last batch) may still read them: the pages go
+            # once it has run, and before this returns (a host sync: callers, such as SGLang's flush_cache, expect
+            # the pool empty now; a reset is rare and idle)
+            self._give_back(pool, ids)
+            self.wait_pending_frees()
 
     def close(self) -> None:
         """Unmap everything and detach from the KV tensors (their pages read as zeros)."""
