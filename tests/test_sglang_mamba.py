@@ -484,8 +484,13 @@ def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, kind: str, monke
     assert slots.promised == 1 and slots.held_slots == 1  # the copy's slot stays held past the pass, no other
     states.set_limit("kvctl", states.mapped_bytes // states.page_group_bytes)  # another engine takes the rest
     assert slots.alloc(1) is None  # another allocation outside the pass (a lazy track slot) does not take it
+    assert slots.available_size() == 0  # and SGLang's admission is told so
     slots.in_prefill_pass = True  # nor in the next pass, which an overlapping scheduler runs before first's result:
     assert slots.alloc(1) is None  # a running request's lazy track slot for a mixed chunk's decode
+    assert slots.available_size() == 0
+    slots.copying = True  # the copy itself may take it
+    assert slots.available_size() == 1
+    slots.copying = False
     slots.in_prefill_pass = False
     slots.release_held()
     assert slots.promised == 1 and slots.held_slots == 1

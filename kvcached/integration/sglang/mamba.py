@@ -115,8 +115,9 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         super().__init__(size=pool.size, device=device)
 
     def available_size(self) -> int:
-        """Slots an ``alloc`` could have now: held ones and what kvcached can map (advisory)."""
-        return int(self.kvcached.available_size())
+        """Slots an ``alloc`` could have now: held ones, but those promised to a copy that this ``alloc`` may not
+        take, and what kvcached can map (advisory)."""
+        return max(0, int(self.kvcached.available_size()) - min(self._spared(), self.held))
 
     def alloc_group_begin(self, num_reqs: int) -> None:
         # SGLang takes a slot for every waiting request here; kvcached holds one only for each request it
@@ -130,8 +131,7 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         # held slots first, but the promised ones only for the radix cache's copy: in a pass too, where a running
         # request's lazy track slot (a mixed chunk's decode) would take one promised in the pass before, whose
         # copy (that batch's result, processed after this pass under overlap scheduling) then finds none
-        spare = 0 if self.copying else self.promised
-        ids = self.kvcached.alloc(int(need_size), spare_reserved=spare)
+        ids = self.kvcached.alloc(int(need_size), spare_reserved=self._spared())
         if ids is None:
             return None
         self._in_use.update(ids)
@@ -168,6 +168,10 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
     @property
     def promised(self) -> int:
         return len(self._promised)
+
+    def _spared(self) -> int:
+        """Held slots an ``alloc`` must leave: all promised ones, but inside the radix cache's copy."""
+        return 0 if self.copying else self.promised
 
     def release_held(self) -> None:
         """Give back what the prefill pass held and did not allocate, but a slot for each request promised one:
