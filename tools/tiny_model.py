@@ -90,13 +90,22 @@ def _save_random(model_cls: type, config: object, path: Path, seed: int, drop: t
     return path
 
 
-def make_tiny_mamba_hybrid(path: str | Path, *, seed: int = 0) -> Path:
+def make_tiny_mamba_hybrid(path: str | Path, *, seed: int = 0, attention_first: bool = False) -> Path:
     """Mamba2 and attention layers in turn (a dense Granite-4.0-H), random weights, the same tokenizer.
 
     vLLM forms a Mamba group and an attention group and pads each Mamba state page up to the
-    attention page, so the two share kvcached's slots. Layers: 0 and 2 Mamba2, 1 and 3 attention.
+    attention page, so the two share kvcached's slots. Layers: 0 and 2 Mamba2, 1 and 3 attention
+    (``attention_first``: the other way round).
     """
+    import transformers
+    from packaging.version import Version
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    # transformers 5.13 renamed the layer types; an older one takes an unknown name for attention
+    new_names = Version(transformers.__version__) >= Version("5.13")
+    layer_types = ["linear_attention", "full_attention"] if new_names else ["mamba", "attention"]
+    if attention_first:
+        layer_types.reverse()
 
     path = Path(path)
     make_tiny_llama(path, seed=seed)  # the tokenizer (its Llama weights are replaced below)
@@ -107,7 +116,7 @@ def make_tiny_mamba_hybrid(path: str | Path, *, seed: int = 0) -> Path:
         vocab_size=llama["vocab_size"], hidden_size=128, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=llama["bos_token_id"], eos_token_id=llama["eos_token_id"], pad_token_id=None,
-        tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"] * 2,
+        tie_word_embeddings=False, layer_types=layer_types * 2,
         num_local_experts=0, num_experts_per_tok=0, shared_intermediate_size=256, position_embedding_type="rope",
         mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=64,
