@@ -111,8 +111,8 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     # attention layers in turn, whose states are kvcached's Mamba slots
     hybrid_tags = ["hybrid-plain", "hybrid-contiguous", "hybrid-per_layer"]
     try:
-        # attention first: SGLang's Triton backend reads layer 0's V buffer at its start, which it has only for a
-        # hybrid it knows by name (GDN, Kimi-Linear), not Granite's (plain SGLang 0.5.17 fails there)
+        # attention first: SGLang 0.5.17's Triton backend reads layer 0's V buffer at its start (but for the GDN,
+        # Kimi-Linear and linear-attention hybrids), which a Granite hybrid whose layer 0 is Mamba has not
         hybrid = str(make_tiny_mamba_hybrid(tmp_path_factory.mktemp("sgl_hybrid"), attention_first=True))
         jobs["hybrid-plain"] = ({**spec, "model": hybrid}, _env(False, ""))
         for layout in ("contiguous", "per_layer"):
