@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Attention A/B at full clock and at the power cap: one kvcached tree per process, run them in turn.
 
-    python3 benchmarks/experiments/ab_power_cap.py ROOT TAG 64x8192x16,8x8192x1,1x8192x8192
+    python3 benchmarks/experiments/ab_power_cap.py ROOT TAG 64x8192x16,8x8192x1,1x8192x8192 [KNOB=VALUE,... ...]
 
 A case is ``BxCxQ``: B sequences of C keys with Q query tokens each (Q = C: a whole prompt; C = ``u``: lengths
 drawn from 256..16384 as ``sweep_decode.py`` draws them), ``BxCxQ:fp8`` the same values in an fp8 KV cache; bf16,
@@ -11,7 +11,9 @@ captured graph's ``do_bench`` (median) after 2 s idle, at full clock; "hot": the
 first, so the GPU is at its power cap (an H200 reaches its 700 W within about 0.2 s and its SM clock falls to
 1200-1700 MHz, ``benchmarks/results/kv_offsets_h200.md``), then ``do_bench``. Prints a checksum of the output
 (two trees that differ only in addressing must agree bit for bit) and, for queries of up to 16 tokens, the
-largest error of the first two sequences against float64.
+largest error of the first two sequences against float64. Each ``KNOB=VALUE,...`` argument (integers; ``-``: none)
+runs the cases again under ``attention_config.override`` (tile or launch knobs of the tree's dispatcher against
+its defaults), tagged ``TAG/KNOBS``.
 """
 
 from __future__ import annotations
@@ -74,11 +76,14 @@ def run_case(pa, ref, tag: str, case: str, dev: torch.device) -> None:
 
 def main() -> None:
     root, tag, cases = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-    _, pa, _, ref = kernel_modules(root)
+    _, pa, ac, ref = kernel_modules(root)
     dev = torch.device("cuda")
-    for case in cases:
-        run_case(pa, ref, tag, case, dev)
-        torch.cuda.empty_cache()
+    for spec in sys.argv[4:] or ["-"]:
+        knobs = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if spec != "-")}
+        with ac.override(**knobs):
+            for case in cases:
+                run_case(pa, ref, tag if spec == "-" else f"{tag}/{spec}", case, dev)
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

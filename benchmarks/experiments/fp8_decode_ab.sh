@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 38, not yet run on a GPU: the fp8-cache decode with its products in fp16 (fp8_decode_fp16.patch: no
+# cvt.bf16.f16 a K/V pair) against this tree's kernels, each at its default tile and at 64 keys a tile.
+#   OUT=/tmp/out bash benchmarks/experiments/fp8_decode_ab.sh
+# One process a tree (benchmarks/experiments/ab_power_cap.py: graph replay, cold and at the power cap, float64
+# error of the first two sequences); the log lands in $OUT/fp8_decode_ab.log.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/fp8_ab}
+mkdir -p "$OUT"
+L="$OUT/fp8_decode_ab.log"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } | tee "$L"
+tree=$(mktemp -d)
+cp -r kvcached "$tree/"
+patch -d "$tree" -p1 < benchmarks/experiments/fp8_decode_fp16.patch | tee -a "$L" || exit 1
+cases=64x8192x1:fp8,8x8192x1:fp8,4x32768x1:fp8,64x8192x4:fp8
+for run in ".:head" "$tree:fp16"; do
+  echo "+ python3 benchmarks/experiments/ab_power_cap.py ${run%%:*} ${run##*:} $cases - decode_block_n=64" | tee -a "$L"
+  timeout 300 python3 benchmarks/experiments/ab_power_cap.py "${run%%:*}" "${run##*:}" "$cases" - decode_block_n=64 2>&1 \
+    | grep -v Warning | tee -a "$L"
+done
+date -u | tee -a "$L"
