@@ -13,7 +13,9 @@ L="$OUT/fp8_decode_ab.log"
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } | tee "$L"
 tree=$(mktemp -d)
 cp -r kvcached "$tree/"
-patch -d "$tree" -p1 < benchmarks/experiments/fp8_decode_fp16.patch | tee -a "$L" || exit 1
+p=$PWD/benchmarks/experiments/fp8_decode_fp16.patch
+{ if command -v patch >/dev/null; then patch -d "$tree" -p1 < "$p"; else (cd "$tree" && git apply -v "$p"); fi; } 2>&1 \
+  | tee -a "$L" || exit 1
 cases=64x8192x1:fp8,8x8192x1:fp8,4x32768x1:fp8,64x8192x4:fp8
 for run in ".:head" "$tree:fp16"; do
   echo "+ python3 benchmarks/experiments/ab_power_cap.py ${run%%:*} ${run##*:} $cases - decode_block_n=64" | tee -a "$L"
