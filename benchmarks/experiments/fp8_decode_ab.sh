@@ -12,7 +12,7 @@ L="$OUT/fp8_decode_ab.log"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } | tee "$L"
 tree=$(mktemp -d)
-cp -r kvcached "$tree/"
+cp -r kvcached tests "$tree/"  # the patch holds the kernels and their test
 p=$PWD/benchmarks/experiments/fp8_decode_fp16.patch
 { if command -v patch >/dev/null; then patch -d "$tree" -p1 < "$p"; else (cd "$tree" && git apply -v "$p"); fi; } 2>&1 \
   | tee -a "$L" || exit 1
