@@ -141,7 +141,7 @@ class KvcachedMambaSlotAllocator(Holds, MambaSlotAllocator):
         if free_index.numel() == 0:
             return
         # -1: no slot (a lazy ping-pong track buffer's unused half), which SGLang's streaming session frees as it is
-        ids = [i for i in (int(i) for i in free_index.flatten().tolist()) if i != -1]
+        ids = [int(i) for i in free_index.flatten().tolist() if i != -1]
         if not ids:
             return
         bad = [i for i in ids if i not in self._in_use]
