@@ -2,6 +2,7 @@
 # Issue 38, not yet run on a GPU: the fp8-cache decode with its products in fp16 (fp8_decode_fp16.patch: no
 # cvt.bf16.f16 a K/V pair) against this tree's kernels, each at its default tile and at 64 keys a tile.
 #   OUT=/tmp/out bash benchmarks/experiments/fp8_decode_ab.sh
+# With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the timings ($OUT/fp8_decode_ab_tests.log).
 # One process a tree (benchmarks/experiments/ab_power_cap.py: graph replay, cold and at the power cap, float64
 # error of the first two sequences); the log lands in $OUT/fp8_decode_ab.log.
 set -uo pipefail
@@ -22,4 +23,11 @@ for run in ".:head" "$tree:fp16"; do
   timeout 300 python3 benchmarks/experiments/ab_power_cap.py "${run%%:*}" "${run##*:}" "$cases" - decode_block_n=64 2>&1 \
     | grep -v Warning | tee -a "$L"
 done
+if [[ ${FP8_AB_TESTS:-0} == 1 ]]; then
+  echo "+ (patched tree) pytest -m gpu tests/gpu/test_attention_gpu.py tests/test_paged_attention.py" | tee -a "$L"
+  cp pyproject.toml "$tree/"  # its pytest markers
+  (cd "$tree" && timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_attention_gpu.py tests/test_paged_attention.py \
+    -p no:cacheprovider --tb=short) > "$OUT/fp8_decode_ab_tests.log" 2>&1
+  tail -3 "$OUT/fp8_decode_ab_tests.log" | tee -a "$L"
+fi
 date -u | tee -a "$L"
