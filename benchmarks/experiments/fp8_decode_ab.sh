@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 38, not yet run on a GPU: the fp8-cache decode with its products in fp16 (fp8_decode_fp16.patch: no
-# cvt.bf16.f16 a K/V pair) against this tree's kernels, each at its default tile and at 64 keys a tile.
+# cvt.bf16.f16 a K/V pair) against this tree's kernels, each at its default tile and at smaller ones (below).
 #   OUT=/tmp/out bash benchmarks/experiments/fp8_decode_ab.sh
 # With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the timings ($OUT/fp8_decode_ab_tests.log).
 # One process a tree (benchmarks/experiments/ab_power_cap.py: graph replay, cold and at the power cap, float64
@@ -18,9 +18,12 @@ p=$PWD/benchmarks/experiments/fp8_decode_fp16.patch
 { if command -v patch >/dev/null; then patch -d "$tree" -p1 < "$p"; else (cd "$tree" && git apply -v "$p"); fi; } 2>&1 \
   | tee -a "$L" || exit 1
 cases=64x8192x1:fp8,8x8192x1:fp8,4x32768x1:fp8,64x8192x4:fp8
+# the default tile (128 keys, 4 warps: 255 registers and 24 B of stack on sm90), 64 keys (166 registers) and 32
+# keys at 2 warps (206 registers); FP8_AB_KNOBS replaces the list
+read -ra knobs <<<"${FP8_AB_KNOBS:-- decode_block_n=64 decode_block_n=32,decode_num_warps=2}"
 for run in ".:head" "$tree:fp16"; do
-  echo "+ python3 benchmarks/experiments/ab_power_cap.py ${run%%:*} ${run##*:} $cases - decode_block_n=64" | tee -a "$L"
-  timeout 300 python3 benchmarks/experiments/ab_power_cap.py "${run%%:*}" "${run##*:}" "$cases" - decode_block_n=64 2>&1 \
+  echo "+ python3 benchmarks/experiments/ab_power_cap.py ${run%%:*} ${run##*:} $cases ${knobs[*]}" | tee -a "$L"
+  timeout 300 python3 benchmarks/experiments/ab_power_cap.py "${run%%:*}" "${run##*:}" "$cases" "${knobs[@]}" 2>&1 \
     | grep -v Warning | tee -a "$L"
 done
 if [[ ${FP8_AB_TESTS:-0} == 1 ]]; then
