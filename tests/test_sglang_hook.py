@@ -1,4 +1,4 @@
-"""kvcached's SGLang hook against SGLang's own classes (0.5.17 - 0.5.19: the venv's), on the CPU host backend.
+"""kvcached's SGLang hook against SGLang's own classes (0.5.17 - 0.5.20: the venv's), on the CPU host backend.
 
 SGLang's engine cannot run on this machine (docs/sglang.md), so these tests build what
 its ``KVCacheConfigurator`` builds, SGLang's pools, allocators, radix cache and Triton
@@ -158,9 +158,11 @@ def _adder(monkeypatch: pytest.MonkeyPatch, cache, alloc, page: int):
     """SGLang's prefill admission (``PrefillAdder``) as the scheduler makes it for a pass, no running batch."""
     import sglang.srt.managers.schedule_policy as policy
 
-    # two reads of SGLang's published server configuration (not published outside an engine): both features off
-    monkeypatch.setattr(policy, "is_dsa_prefill_cp_in_seq_split", lambda: False)
-    monkeypatch.setattr(policy, "is_prefill_context_parallel_enabled", lambda: False)
+    # two reads of SGLang's published server configuration (not published outside an engine): both features off;
+    # 0.5.20's PrefillAdder reads neither (its module no longer imports them)
+    for read in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
+        if hasattr(policy, read):
+            monkeypatch.setattr(policy, read, lambda: False)
     return policy.PrefillAdder(page, cache, alloc, None, 0.5, 16384, 8192)
 
 
@@ -240,6 +242,7 @@ def test_decode_pages_are_held_from_sglangs_check_to_its_allocation(sgl, page: i
     allocation: the step's pages were held at the check, so the allocation still gets them (unheld, it returned
     None and SGLang raised "Decode out of memory"); what the hold over-estimated goes back."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)  # 512 tokens a kvcached page (2 MiB x 4 buffers)
     other_pool = _other_engine(page)
@@ -248,7 +251,11 @@ def test_decode_pages_are_held_from_sglangs_check_to_its_allocation(sgl, page: i
     locs = _extend(alloc, [n])
     assert kv.mapped_bytes == kv.page_group_bytes
     need = page  # one new SGLang page for the one decoding request
-    batch = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=None,
+    # ``ScheduleBatch``'s fields that ``check_decode_mem`` reads (0.5.20 also hands the allocator the batch's
+    # requests and speculative algorithm)
+    decoding = SimpleNamespace(kv=SimpleNamespace(kv_committed_len=n, kv_allocated_len=n))
+    batch = SimpleNamespace(token_to_kv_pool_allocator=alloc, tree_cache=None, reqs=[decoding],
+                            spec_algorithm=SpeculativeAlgorithm.NONE,
                             new_tokens_required_next_decode=lambda selected=None: need)
     assert ScheduleBatch.check_decode_mem(batch)
     assert len(kv.reserved_blocks) == 1
@@ -492,7 +499,15 @@ def test_radix_cache_is_bounded(sgl, page: int, kind: str, monkeypatch: pytest.M
 @pytest.mark.parametrize("page", [1, 16])
 def test_mla_pool(sgl, page: int):
     import sglang.srt.mem_cache.kv_cache_configurator as cfg
+    from sglang.srt.runtime_context import get_parallel
 
+    # an engine publishes its parallel widths before the pools are built, and kvcached runs one rank (no decode
+    # context parallelism); from 0.5.20 the MLA pool's write asks, and a width nothing published raises
+    with get_parallel().override(dcp_enabled=False, attn_dcp_size=1):
+        _check_mla_pool(cfg, page)
+
+
+def _check_mla_pool(cfg, page: int) -> None:
     pool = cfg.MLATokenToKVPool(2048, page_size=page, dtype=torch.float32, kv_lora_rank=64, qk_rope_head_dim=32,
                                 layer_num=LAYERS, device="cpu", enable_memory_saver=False)
     alloc = (cfg.TokenToKVPoolAllocator(2048, dtype=torch.float32, device="cpu", kvcache=pool, need_sort=False)
@@ -515,6 +530,22 @@ def test_double_free_raises(sgl):
     alloc.free(locs)
     with pytest.raises(ValueError):
         alloc.free(locs)
+
+
+def test_pages_freed_by_id_go_back_to_kvcached(sgl):
+    """SGLang 0.5.20's paged allocator frees whole pages by id too (``free_page_ids``): they are unmapped, and
+    inside a free group they wait for its end, as ``free``'s ids do."""
+    (_, _), (pool, alloc) = _pools(16)
+    kv = pool.kvcached_manager
+    before = kv.num_allocated_blocks()
+    locs = _extend(alloc, [40])
+    pages = torch.unique(locs // 16)
+    assert kv.num_allocated_blocks() == before + len(pages)
+    alloc.free_group_begin()
+    alloc.free_page_ids(pages)
+    assert kv.num_allocated_blocks() == before + len(pages)
+    alloc.free_group_end()
+    assert kv.num_allocated_blocks() == before
 
 
 def test_a_grouped_free_keeps_the_ids_it_was_given(sgl):

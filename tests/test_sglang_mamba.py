@@ -1,4 +1,4 @@
-"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.19), on the CPU.
+"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.20), on the CPU.
 
 SGLang's ``HybridReqToTokenPool`` is built as its configurator builds it, once with kvcached's hooks and
 once plain; the states must read, write and copy as SGLang's own do, a slot's pages must be mapped only
@@ -119,7 +119,13 @@ def _defaults(**changed) -> SimpleNamespace:
 
     names = ("enable_hierarchical_cache", "disaggregation_mode", "linear_attn_backend", "linear_attn_decode_backend",
              "linear_attn_prefill_backend", "mamba_backend")
-    fields = {f.name: f.default for f in dataclasses.fields(ServerArgs) if f.name in names}
+    if dataclasses.is_dataclass(ServerArgs):
+        declared = dataclasses.fields(ServerArgs)
+    else:  # 0.5.20 builds ServerArgs as a msgspec Struct (a dataclass until 0.5.19)
+        import msgspec
+
+        declared = msgspec.structs.fields(ServerArgs)
+    fields = {f.name: f.default for f in declared if f.name in names}
     assert set(fields) == set(names)
     return SimpleNamespace(**{**fields, **changed})
 
@@ -235,6 +241,36 @@ def test_freeing_a_slot_twice_raises(sgl):
     pool.mamba_allocator.free(torch.tensor([-1, -1]))
     with pytest.raises(ValueError, match="freed twice"):
         pool.mamba_allocator.free(torch.tensor([-2]))
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_sglangs_idle_census_runs_over_kvcacheds_allocators(sgl, page: int):
+    """Where SGLang's idle check of the Mamba pool does not add up (kvcached's free count is what can be mapped
+    now), SGLang lists the pages and slots it cannot place before its report, which the hooks then skip: over
+    kvcached's allocators that listing must run (0.5.20 asks the token allocator for ``get_all_free_pages``),
+    not raise in the scheduler's idle pass."""
+    import sglang.srt.mem_cache.kv_cache_configurator as cfg
+    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+
+    pool = _hybrid(_params())
+    kv_pool = cfg.MHATokenToKVPool(1024, page_size=page, dtype=torch.float32, head_num=4, head_dim=64, layer_num=2,
+                                   device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    alloc = (cfg.TokenToKVPoolAllocator(1024, dtype=torch.float32, device="cpu", kvcache=kv_pool, need_sort=False)
+             if page == 1 else cfg.PagedTokenToKVPoolAllocator(1024, page_size=page, dtype=torch.float32,
+                                                               device="cpu", kvcache=kv_pool, need_sort=False))
+    held = pool.mamba_allocator.alloc(1)
+    # the scheduler's checker, with the fields ``_check_mamba_pool`` reads (its radix cache: nothing cached)
+    checker = object.__new__(SchedulerInvariantChecker)
+    checker.req_to_token_pool, checker.token_to_kv_pool_allocator = pool, alloc
+    nothing = torch.empty((0,), dtype=torch.int64)
+    checker.tree_cache = SimpleNamespace(mamba_protected_size=lambda: 0, all_values_flatten=lambda: nothing,
+                                         all_mamba_values_flatten=lambda: nothing)
+    checker.pool_stats_observer = SimpleNamespace(session_held_mamba_slots=lambda: 0)
+    # another engine holds memory: fewer slots can be had than SGLang counts free
+    stats = SimpleNamespace(mamba_available_size=pool.mamba_pool.size - 3, mamba_evictable_size=0)
+    leak, msg = checker._check_mamba_pool(stats)
+    assert leak and f"leaked_mamba_pages={{{int(held[0])}}}" in msg
+    pool.mamba_allocator.free(held)
 
 
 @pytest.mark.parametrize("option", ["speculative_num_draft_tokens", "envelope_layout", "enable_linear_replayssm"])
@@ -375,13 +411,16 @@ def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch, kind: str):
     allocates them, its state cached by SGLang's own ``cache_finished_req``)."""
     import sglang.srt.mem_cache.kv_cache_configurator as cfg
     import sglang.srt.mem_cache.mamba_radix_cache as mrc
-    import sglang.srt.mem_cache.unified_cache.components.mamba_component as mc
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    try:  # the unified cache's Mamba component: ``components/mamba.py`` from 0.5.20 (``mamba_component.py`` before)
+        import sglang.srt.mem_cache.unified_cache.components.mamba as mc
+    except ModuleNotFoundError:
+        import sglang.srt.mem_cache.unified_cache.components.mamba_component as mc
     # read from SGLang's published server arguments (not published outside an engine): its default chunk
     monkeypatch.setattr(mrc, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=64), raising=False)
     monkeypatch.setattr(mrc, "mamba_cache_chunk_size", lambda: 64, raising=False)

@@ -4,7 +4,7 @@ SGLang's allocators keep every free page in a device tensor. Here the free list 
 kvcached's: a page index is a kvcached block (``block_size`` = SGLang's page size),
 mapped while it is handed out and given back on free, so memory follows load.
 
-Contract kept with SGLang (0.5.17 - 0.5.19):
+Contract kept with SGLang (0.5.17 - 0.5.20):
 - ``alloc*`` return None when the pages cannot be had now (a kvctl limit, another
   engine holding the device): SGLang's scheduler then waits or retracts, as when its
   own pool is full; ``available_size()`` counts what could be mapped now, so the
@@ -14,7 +14,7 @@ Contract kept with SGLang (0.5.17 - 0.5.19):
 - a decode step's pages are held from SGLang's check (``check_decode_mem``, see :mod:`patches`) to its
   allocation, so another engine cannot take them in between: the check fails instead (SGLang retracts); so
   are a prefill's, from the request's admission (``PrefillAdder``) to ``prepare_for_extend``;
-- ``free_pages`` / ``release_pages`` stay empty tensors: SGLang's idle checks read them.
+- ``free_pages`` / ``release_pages`` (and ``get_all_free_pages``) stay empty: SGLang's idle checks read them.
 """
 
 from __future__ import annotations
@@ -94,6 +94,12 @@ class _KvcachedAllocatorMixin(Holds):
     def merge_and_sort_free(self) -> None:
         """Nothing to merge: freed pages go back to kvcached at once."""
 
+    def get_all_free_pages(self) -> torch.Tensor:
+        """SGLang's free list, empty (kvcached keeps its own). SGLang 0.5.20's idle census of a hybrid pool asks
+        this where earlier releases read ``free_pages`` and ``release_pages``; its paged version reads staging
+        lists that this allocator never fills."""
+        return self.free_pages
+
     held_pages = Holds.held
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
@@ -162,6 +168,11 @@ class KvcachedPagedTokenToKVPoolAllocator(_KvcachedAllocatorMixin, PagedTokenToK
         if pages is None:
             return None
         return (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
+
+    def free_page_ids(self, page_ids: torch.Tensor) -> None:
+        """Whole pages by id (SGLang 0.5.20's paged free; its own would put them on a free list kvcached never
+        reads, leaving them mapped and lost)."""
+        self.free(page_ids * self.page_size)
 
     def _new_pages(self, n: int) -> torch.Tensor | None:
         """``n`` pages for SGLang's kernels, which read only the first ``n`` (never an empty pointer)."""
