@@ -11,14 +11,15 @@ from kvcached.integration.sglang import patches, plugin, version
 
 
 @pytest.mark.parametrize(("good", "release"), [("0.5.17", 17), ("0.5.17.post1", 17), ("0.5.17rc1.dev3+cu130", 17),
-                                               ("0.5.18", 18), ("0.5.18.post2", 18), ("0.5.19", 19)])
+                                               ("0.5.18", 18), ("0.5.18.post2", 18), ("0.5.19", 19),
+                                               ("0.5.20", 20), ("0.5.20.post1", 20)])
 def test_supported_versions(good: str, release: int):
     assert version.check_sglang_version(good)[:3] == (0, 5, release)
 
 
-@pytest.mark.parametrize("bad", ["0.5.16", "0.5.20", "0.5.21", "0.4.9", "1.0.0"])
+@pytest.mark.parametrize("bad", ["0.5.16", "0.5.21", "0.5.21rc0", "0.4.9", "1.0.0"])
 def test_versions_outside_the_range_are_refused(bad: str):
-    with pytest.raises(KVCachedConfigError, match=r"does not support SGLang .*>=0\.5\.17,<0\.5\.20"):
+    with pytest.raises(KVCachedConfigError, match=r"does not support SGLang .*>=0\.5\.17,<0\.5\.21"):
         version.check_sglang_version(bad)
 
 
