@@ -139,9 +139,17 @@ def test_what_reads_states_as_dense_rows_is_refused(sgl, mla: bool, monkeypatch:
 
     pool = _hybrid(_params())
 
+    try:  # from 0.5.19 a function of the arguments (a method of ServerArgs before)
+        import sglang.srt.arg_groups.model_override_base as override_base
+    except ModuleNotFoundError:
+        override_base = None
+
     def check(**changed):
         args = _defaults(**changed)
-        args.use_mla_backend = lambda: mla
+        if override_base is None:
+            args.use_mla_backend = lambda: mla
+        else:
+            monkeypatch.setattr(override_base, "use_mla_backend", lambda server_args: mla)
         patches.check_state_pool(pool, args)
 
     check()

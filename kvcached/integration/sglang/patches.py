@@ -197,6 +197,18 @@ STRIDED_STATE_KERNELS = {"linear_attn_decode_backend": {"triton", "flashinfer"},
                          "mamba_backend": {"triton"}}
 
 
+def uses_mla(server_args: Any) -> bool:
+    """Whether the model runs SGLang's MLA backend: a method of ``ServerArgs`` up to 0.5.18, a function of
+    ``sglang.srt.arg_groups.model_override_base`` from 0.5.19 (reading only the method, 0.5.19+ saw no MLA model
+    and refused ``cutedsl`` for KDA hybrids)."""
+    method = getattr(server_args, "use_mla_backend", None)
+    if method is not None:
+        return bool(method())
+    from sglang.srt.arg_groups.model_override_base import use_mla_backend
+
+    return bool(use_mla_backend(server_args))
+
+
 def check_state_readers(server_args: Any) -> None:
     """KVCachedConfigError for what would read kvcached's Mamba states, whose slots are strided, as dense rows
     (pointer + slot x slot bytes): the hierarchical cache's and PD disaggregation's state transfers, in either
@@ -207,7 +219,7 @@ def check_state_readers(server_args: Any) -> None:
             f"{uses[0]} copies a hybrid model's Mamba states as dense rows, which kvcached's state slots are not; "
             "turn it off or unset ENABLE_KVCACHED for this model."
         )
-    mla = getattr(server_args, "use_mla_backend", lambda: False)()
+    mla = uses_mla(server_args)
     for arg, allowed in STRIDED_STATE_KERNELS.items():
         chosen = getattr(server_args, arg, None)
         if arg.startswith("linear_attn"):
