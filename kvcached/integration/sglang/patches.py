@@ -204,8 +204,10 @@ def uses_mla(server_args: Any) -> bool:
     method = getattr(server_args, "use_mla_backend", None)
     if method is not None:
         return bool(method())
-    from sglang.srt.arg_groups.model_override_base import use_mla_backend
-
+    try:
+        from sglang.srt.arg_groups.model_override_base import use_mla_backend
+    except ImportError:  # up to 0.5.18 the method above is the only form: arguments without it name no MLA model
+        return False
     return bool(use_mla_backend(server_args))
 
 
@@ -219,12 +221,13 @@ def check_state_readers(server_args: Any) -> None:
             f"{uses[0]} copies a hybrid model's Mamba states as dense rows, which kvcached's state slots are not; "
             "turn it off or unset ENABLE_KVCACHED for this model."
         )
-    mla = uses_mla(server_args)
     for arg, allowed in STRIDED_STATE_KERNELS.items():
         chosen = getattr(server_args, arg, None)
         if arg.startswith("linear_attn"):
             chosen = chosen or getattr(server_args, "linear_attn_backend", None)
-            allowed = allowed | ({"cutedsl"} if mla else set())
+            # asked only here: from 0.5.19 the answer builds the model's configuration
+            if chosen not in allowed | {None} and uses_mla(server_args):
+                allowed = allowed | {"cutedsl"}
         if chosen not in allowed | {None}:
             flag = "--" + arg.replace("_", "-")
             raise KVCachedConfigError(
