@@ -15,7 +15,9 @@ import importlib.util
 import os
 import sys
 import uuid
+from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 _TORCHVISION_SCHEMAS: Any = None  # kept alive: a torch.library.Library drops its definitions when collected
 SGLANG_MODULES = ("sglang.srt.mem_cache.kv_cache_configurator", "sglang.srt.mem_cache.radix_cache",
@@ -73,3 +75,26 @@ def exact_mapping_env(monkeypatch: Any, contiguous: bool, host_mb: int) -> None:
     for name, value in (("KVCACHED_MIN_RESERVED_PAGES", "0"), ("KVCACHED_MAX_RESERVED_PAGES", "0"),
                         ("KVCACHED_PAGE_PREALLOC_ENABLED", "false")):
         monkeypatch.setenv(name, value)
+
+
+def finish_request(cache: Any, req: Any, n: int) -> None:
+    """``req``, its first ``n`` KV rows written, finishes as SGLang finishes it: its KV goes into the radix
+    ``cache`` (which keeps what it can key and frees the rest) and its request slot is freed. SGLang's
+    ``release_kv_cache`` hands 0.5.17 - 0.5.20's caches ``cache_finished_req`` (called here as it calls it); 0.5.21
+    split that into ``insert_req``, ``free_kv_row``, ``unpin`` and ``on_release``, so there ``release_kv_cache``
+    itself runs, on the lengths SGLang's allocation records (``kv_committed_len``, ``kv_allocated_len``)."""
+    if hasattr(cache, "cache_finished_req"):
+        cache.cache_finished_req(req, kv_len_to_handle=n)
+        cache.req_to_token_pool.free(req)
+        return
+    import sglang.srt.managers.schedule_batch as batch
+    import sglang.srt.mem_cache.common as common
+
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = n
+    # two reads of SGLang's published server configuration (not published outside an engine): no speculative
+    # decoding, no stripping of thinking tokens (its defaults)
+    spec, serving = SimpleNamespace(speculative_algorithm=None), SimpleNamespace(strip_thinking_cache=False)
+    with (mock.patch.object(common, "get_spec", lambda: spec),
+          mock.patch.object(common, "get_serving", lambda: serving),
+          mock.patch.object(batch, "get_serving", lambda: serving)):
+        common.release_kv_cache(req, cache)

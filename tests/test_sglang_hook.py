@@ -1,4 +1,4 @@
-"""kvcached's SGLang hook against SGLang's own classes (0.5.17 - 0.5.20: the venv's), on the CPU host backend.
+"""kvcached's SGLang hook against SGLang's own classes (0.5.17 - 0.5.21: the venv's), on the CPU host backend.
 
 SGLang's engine cannot run on this machine (docs/sglang.md), so these tests build what
 its ``KVCacheConfigurator`` builds, SGLang's pools, allocators, radix cache and Triton
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvcached.integration.sglang.version import installed_sglang_version
-from tests.sglang_support import exact_mapping_env, sglang_missing
+from tests.sglang_support import exact_mapping_env, finish_request, sglang_missing
 
 MISSING = sglang_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
@@ -163,6 +163,9 @@ def _adder(monkeypatch: pytest.MonkeyPatch, cache, alloc, page: int):
     for read in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
         if hasattr(policy, read):
             monkeypatch.setattr(policy, read, lambda: False)
+    if hasattr(policy, "get_exec"):  # 0.5.21's admission also asks for the encoder's SWA replay: off, its default
+        features = SimpleNamespace(enable_encoder_swa_bounded_replay=False)
+        monkeypatch.setattr(policy, "get_exec", lambda: SimpleNamespace(features=features))
     return policy.PrefillAdder(page, cache, alloc, None, 0.5, 16384, 8192)
 
 
@@ -176,14 +179,6 @@ def _waiting(cache, rid: str, tokens: list[int]):
     return req
 
 
-def _finished(slot: int, tokens) -> SimpleNamespace:
-    """A finished request as ``RadixCache.cache_finished_req`` reads it: its KV fields on the request (0.5.17,
-    0.5.18) and under ``req.kv`` (0.5.19 on), no output, nothing of it cached yet."""
-    return SimpleNamespace(req_pool_idx=slot, cache_protected_len=0, origin_input_ids=tokens, output_ids=array("q"),
-                           last_node=None, extra_key=None, cache_salt=None, priority=0,
-                           kv=SimpleNamespace(req_pool_idx=slot, cache_protected_len=0))
-
-
 def _finish(cache, alloc, tokens) -> None:
     """A request of ``tokens`` through SGLang's own steps: matched against ``cache``, its request slot and KV
     allocated, then finished into the cache (which takes its KV) and its slot freed."""
@@ -192,8 +187,7 @@ def _finish(cache, alloc, tokens) -> None:
     assert rtp.alloc([req]) is not None
     kv = req.kv if hasattr(req.kv, "req_pool_idx") else req  # under ``req.kv`` from 0.5.19
     rtp.req_to_token[kv.req_pool_idx, :n] = _extend(alloc, [n]).to(torch.int32)
-    cache.cache_finished_req(req, kv_len_to_handle=n)
-    rtp.free(req)
+    finish_request(cache, req, n)
 
 
 def _allocate_prefill(cache, alloc, reqs):
@@ -315,12 +309,10 @@ def test_prefill_admission_takes_its_pages_from_the_radix_cache(sgl, page: int, 
     (_, _), (pool, alloc) = _pools(page, heads=8, dim=128)
     other_pool = _other_engine(page)
     kv = pool.kvcached_manager
-    rtp, cache = _radix(alloc, page)
+    _, cache = _radix(alloc, page)
     prompts = {"old": list(range(20000, 21024)), "shared": list(range(30000, 30256))}
-    for slot, tokens in enumerate(prompts.values(), start=1):  # two finished requests, cached
-        locs = _extend(alloc, [len(tokens)])
-        rtp.req_to_token[slot, :len(tokens)] = locs.to(torch.int32)
-        cache.cache_finished_req(_finished(slot, array("q", tokens)), kv_len_to_handle=len(tokens))
+    for tokens in prompts.values():  # two finished requests, cached
+        _finish(cache, alloc, tokens)
     assert cache.evictable_size() == 1024 + 256
     _fill_device(other_pool, page)
     req = _waiting(cache, "r1", prompts["shared"] + list(range(40000, 40600)))  # a cached prefix + 600 new tokens
@@ -637,11 +629,12 @@ def test_sglang_loads_the_plugin(entry_point_installed, monkeypatch: pytest.Monk
     monkeypatch.setattr(cfg, "MHATokenToKVPool", MHATokenToKVPool)  # SGLang's own, as before any hook
     entry_point_installed.load_plugins()
     assert cfg.MHATokenToKVPool is pools.KvcachedMHATokenToKVPool
-    bounded = RadixCache.cache_finished_req
+    hook = patches.finished_hook(RadixCache)  # cache_finished_req up to 0.5.20, on_release from 0.5.21
+    bounded = getattr(RadixCache, hook)
     assert bounded._kvcached
     monkeypatch.setattr(patches, "_applied", False)
     patches.apply()  # again: no second wrapper
-    assert RadixCache.cache_finished_req is bounded
+    assert getattr(RadixCache, hook) is bounded
 
 
 def test_sglang_stops_on_an_unsupported_version(entry_point_installed, monkeypatch: pytest.MonkeyPatch):
@@ -650,8 +643,8 @@ def test_sglang_stops_on_an_unsupported_version(entry_point_installed, monkeypat
 
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
     monkeypatch.setattr(patches, "_applied", False)
-    monkeypatch.setattr(version, "installed_sglang_version", lambda: "0.5.21")
-    with pytest.raises(SystemExit, match=r"does not support SGLang 0\.5\.21"):
+    monkeypatch.setattr(version, "installed_sglang_version", lambda: "0.5.22")
+    with pytest.raises(SystemExit, match=r"does not support SGLang 0\.5\.22"):
         entry_point_installed.load_plugins()
 
 

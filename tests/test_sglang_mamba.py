@@ -1,4 +1,4 @@
-"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.20), on the CPU.
+"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.21), on the CPU.
 
 SGLang's ``HybridReqToTokenPool`` is built as its configurator builds it, once with kvcached's hooks and
 once plain; the states must read, write and copy as SGLang's own do, a slot's pages must be mapped only
@@ -8,6 +8,7 @@ while SGLang holds it, and a request whose slots cannot be had must wait, never 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from array import array
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from kvcached.layout import StateSlots
-from tests.sglang_support import exact_mapping_env, sglang_missing
+from tests.sglang_support import exact_mapping_env, finish_request, sglang_missing
 
 MISSING = sglang_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
@@ -409,16 +410,17 @@ def test_a_promise_ends_with_its_prefill_result_even_without_the_copy(sgl):
 
 
 # SGLang's radix caches of hybrid models: UnifiedRadixCache (FULL and MAMBA components) is the one its
-# registry builds in 0.5.17-0.5.19; MambaRadixCache the one a release or configuration may pick instead
-HYBRID_TREES = ["unified", "mamba"]
+# registry builds in 0.5.17-0.5.19; MambaRadixCache the one a release or configuration may pick instead, up to
+# 0.5.20 (0.5.21 removed its module: there the unified cache is the only one)
+HYBRID_TREES = ["unified", *(["mamba"] if MISSING is None
+                             and importlib.util.find_spec("sglang.srt.mem_cache.mamba_radix_cache") else [])]
 
 
 def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch, kind: str):
     """SGLang's radix cache of hybrid models over ``pool`` and a kvcached token allocator, and a function that
     finishes a request of ``n`` tokens starting at ``seed`` through it (its KV and Mamba slot allocated as SGLang
-    allocates them, its state cached by SGLang's own ``cache_finished_req``)."""
+    allocates them, its state cached as SGLang finishes a request)."""
     import sglang.srt.mem_cache.kv_cache_configurator as cfg
-    import sglang.srt.mem_cache.mamba_radix_cache as mrc
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -430,12 +432,21 @@ def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch, kind: str):
     except ModuleNotFoundError:
         import sglang.srt.mem_cache.unified_cache.components.mamba_component as mc
     # read from SGLang's published server arguments (not published outside an engine): its default chunk
-    monkeypatch.setattr(mrc, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=64), raising=False)
-    monkeypatch.setattr(mrc, "mamba_cache_chunk_size", lambda: 64, raising=False)
+    if kind == "mamba":
+        import sglang.srt.mem_cache.mamba_radix_cache as mrc
+
+        monkeypatch.setattr(mrc, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=64), raising=False)
+        monkeypatch.setattr(mrc, "mamba_cache_chunk_size", lambda: 64, raising=False)
     monkeypatch.setattr(mc, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=64), raising=False)
     monkeypatch.setattr(mc, "mamba_cache_chunk_size", lambda: 64, raising=False)
     monkeypatch.setattr(mc, "mamba_checkpoint_grid", lambda page: math.lcm(64, page), raising=False)
-    monkeypatch.setattr(mc, "get_exec", lambda: SimpleNamespace(mamba=SimpleNamespace(mamba_max_states_per_path=-1)))
+    exec_args = SimpleNamespace(mamba=SimpleNamespace(mamba_max_states_per_path=-1))
+    monkeypatch.setattr(mc, "get_exec", lambda: exec_args)
+    if importlib.util.find_spec("sglang.srt.mem_cache.rust_tree_core"):  # 0.5.21's default tree core reads both
+        import sglang.srt.mem_cache.rust_tree_core.adapter as rust_core
+
+        monkeypatch.setattr(rust_core, "get_exec", lambda: exec_args)
+        monkeypatch.setattr(rust_core, "mamba_cache_chunk_size", lambda: 64)
     kv_pool = cfg.MHATokenToKVPool(1024, page_size=1, dtype=torch.float32, head_num=4, head_dim=64, layer_num=2,
                                    device="cpu", enable_memory_saver=False, enable_alt_stream=False)
     alloc = cfg.TokenToKVPoolAllocator(1024, dtype=torch.float32, device="cpu", kvcache=kv_pool, need_sort=False)
@@ -452,8 +463,7 @@ def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch, kind: str):
         assert pool.alloc([req]) is not None
         fields = _state(req)  # under ``req.kv`` from SGLang 0.5.19
         pool.req_to_token[fields.req_pool_idx, :n] = alloc.alloc(n).to(torch.int32)
-        cache.cache_finished_req(req, kv_len_to_handle=n)
-        pool.free(req)
+        finish_request(cache, req, n)
 
     return cache, alloc, finish
 
@@ -580,3 +590,42 @@ def test_a_hold_after_an_eviction_waits_for_the_evicted_pages(sgl, monkeypatch: 
     slots.release_held()
     slots.free(taken[1:])
     states._deferred.flush()
+
+
+@pytest.mark.parametrize("kind", HYBRID_TREES)
+def test_a_promised_slot_goes_back_when_its_request_finishes(sgl, kind: str, monkeypatch: pytest.MonkeyPatch):
+    """A request admitted with a slot held for the radix cache's copy of its state may finish before any copy (its
+    prefill's token ends it, or it is aborted): SGLang releases it into the cache, which keeps the request's own
+    state (no copy), and there the held slot goes back (``cache_finished_req`` up to 0.5.20, ``on_release`` from
+    0.5.21) instead of staying held for a copy that will not come."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import AddReqResult
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from kvcached.integration.sglang import patches
+
+    pool = _hybrid(_params("page"))  # one slot a page
+    slots, states = pool.mamba_allocator, pool.mamba_pool.kvcached_manager
+    cache, alloc, _ = _mamba_radix(pool, monkeypatch, kind)
+    n = 20
+    req = Req("r1", "", array("q", range(100, 100 + n)), SamplingParams(max_new_tokens=1))
+    adder = SimpleNamespace(token_to_kv_pool_allocator=None, tree_cache=cache, can_run_list=[])
+
+    def add(adder, req, *args, **kwargs):  # SGLang's admission: it fits
+        adder.can_run_list.append(req)
+        return AddReqResult.CONTINUE
+
+    slots.in_prefill_pass = True
+    req.init_next_round_input(cache)  # holds the request's slot and the copy's
+    patches.holding_admission(add)(adder, req)
+    assert pool.alloc([req]) is not None  # SGLang's allocation in the pass: the request's own slot
+    pool.req_to_token[_state(req).req_pool_idx, :n] = alloc.alloc(n).to(torch.int32)
+    req.set_extend_range(0, n)
+    slots.in_prefill_pass = False
+    slots.release_held()  # the pass ends: the copy's slot stays held
+    assert (slots.promised, slots.held_slots) == (1, 1)
+    held_pages = states.mapped_bytes // states.page_group_bytes
+    finish_request(cache, req, n)
+    assert (slots.promised, slots.held_slots) == (0, 0)
+    assert cache.mamba_evictable_size() == 1  # the request's own state, cached without a copy
+    assert states.mapped_bytes // states.page_group_bytes == held_pages - 1  # the held slot's page went back

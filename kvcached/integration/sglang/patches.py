@@ -1,4 +1,4 @@
-"""The hooks that put kvcached under an SGLang engine (0.5.17 - 0.5.20; applied once per process).
+"""The hooks that put kvcached under an SGLang engine (0.5.17 - 0.5.21; applied once per process).
 
 Hook points (all in SGLang's installed source):
 - ``HybridReqToTokenPool.mamba_pool_cls`` and ``_init_mamba_pool``: a hybrid model's Mamba states and their slot
@@ -16,7 +16,8 @@ Hook points (all in SGLang's installed source):
 - ``KVCacheConfigurator._profile_available_bytes``: on a GPU the KV budget is
   ``--mem-fraction-static`` of the device less what this process holds through torch,
   not the free memory that other engines' KV pages happen to leave;
-- ``RadixCache.cache_finished_req`` and ``MambaRadixCache.cache_finished_req``: the evictable prefix cache is bounded by
+- ``RadixCache.cache_finished_req`` and ``MambaRadixCache.cache_finished_req`` (0.5.17 - 0.5.20; from 0.5.21 the
+  radix caches' ``on_release``, see :func:`finished_hook`): the evictable prefix cache is bounded by
   ``KVCACHED_MAX_CACHED_TOKENS`` (as vLLM's prefix cache is), so evicted pages unmap;
   while the device is nearly full (``PageAllocator.device_tight``: another engine sharing
   it may be waiting for memory) all of it goes, there and in ``Scheduler.on_idle``, so an
@@ -41,6 +42,7 @@ Hook points (all in SGLang's installed source):
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 from typing import Any
 
@@ -267,13 +269,34 @@ def radix_of(cache: Any) -> Any:
 def state_copies(tree_cache: Any) -> int:
     """1 where the radix cache copies a request's state into a slot of its own after the request's prefill
     (``cache_unfinished_req`` of SGLang's hybrid radix caches, in the result processing, outside the pass)."""
-    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     tree_cache = radix_of(tree_cache)
     if isinstance(tree_cache, UnifiedRadixCache):
         return int(tree_cache.supports_mamba() and not tree_cache.disable)
-    return int(isinstance(tree_cache, MambaRadixCache) and not tree_cache.disable)
+    return int(isinstance(tree_cache, mamba_radix_caches()) and not tree_cache.disable)
+
+
+@functools.cache  # read on every idle pass and finished request: a failing import searches sys.path each time
+def mamba_radix_caches() -> tuple[type, ...]:
+    """SGLang's ``MambaRadixCache`` where the release has one: 0.5.21 removed its module, and hybrid models get the
+    ``UnifiedRadixCache`` (with a Mamba component) instead."""
+    name = "sglang.srt.mem_cache.mamba_radix_cache"
+    try:
+        from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+    except ModuleNotFoundError as exc:
+        if exc.name != name:  # a dependency of a module that is there: not the release's removal
+            raise
+        return ()
+    return (MambaRadixCache,)
+
+
+def finished_hook(radix_cache_cls: type) -> str:
+    """The radix cache's method that SGLang's ``release_kv_cache`` calls last for a finished (or aborted, or
+    retracted) request, after its KV went into the tree and its lock on the tree was dropped: 0.5.17 - 0.5.20 call
+    ``cache_finished_req``, which does all of it; 0.5.21 split that into ``insert_req``, ``free_kv_row`` and
+    ``unpin``, and calls ``on_release`` after them."""
+    return "cache_finished_req" if hasattr(radix_cache_cls, "cache_finished_req") else "on_release"
 
 
 def holding_state_slots(original: Any) -> Any:
@@ -305,12 +328,11 @@ def holding_state_slots(original: Any) -> Any:
 def evictable(cache: Any) -> tuple[int, int] | None:
     """(cached tokens, cached Mamba states) that ``cache`` could evict now; None for a cache kvcached does not
     bound (SGLang's hybrid and unified radix caches are not ``RadixCache`` subclasses)."""
-    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     cache = radix_of(cache)
-    if isinstance(cache, (MambaRadixCache, UnifiedRadixCache)):  # a unified cache without Mamba counts 0 states
+    if isinstance(cache, (*mamba_radix_caches(), UnifiedRadixCache)):  # a unified cache without Mamba counts 0 states
         return cache.full_evictable_size(), cache.mamba_evictable_size()
     if isinstance(cache, RadixCache):
         return cache.evictable_size(), 0
@@ -339,12 +361,11 @@ def yield_if_tight(cache: Any) -> int:
 def _patch_radix_cache() -> None:
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     def bounded(original: Any) -> Any:
-        def cache_finished_req(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def finished(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
             # after the request's lock on its nodes is released: only unlocked (evictable) prefixes go (a hybrid
             # model's evicted leaves take their Mamba states with them)
@@ -355,14 +376,16 @@ def _patch_radix_cache() -> None:
             yield_if_tight(self)
             return result
 
-        return cache_finished_req
+        return finished
 
     # SGLang builds UnifiedRadixCache for hybrid models (0.5.17-0.5.19) and for every model from 0.5.19;
-    # MambaRadixCache when a release or a configuration picks it
-    for cls in (RadixCache, MambaRadixCache, UnifiedRadixCache):
-        wrap_once(cls, "cache_finished_req", bounded)
-    for cls in (MambaRadixCache, UnifiedRadixCache):
-        for name in ("cache_unfinished_req", "cache_finished_req"):
+    # MambaRadixCache when a release (up to 0.5.20) or a configuration picks it
+    for cls in (RadixCache, *mamba_radix_caches(), UnifiedRadixCache):
+        wrap_once(cls, finished_hook(cls), bounded)
+    for cls in (*mamba_radix_caches(), UnifiedRadixCache):
+        # 0.5.21's finished-request insert donates the request's own state (no copy, no slot taken); its
+        # on_release ends the promise, inserted or not, as cache_finished_req's end did before
+        for name in ("cache_unfinished_req", finished_hook(cls)):
             wrap_once(cls, name, fulfilling_state_copy, marker="_kvcached_promise")
     wrap_once(Scheduler, "on_idle", yield_on_idle)
     from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
@@ -389,8 +412,9 @@ def fulfilling_after_prefill(original: Any) -> Any:
 
 
 def fulfilling_state_copy(original: Any) -> Any:
-    """A hybrid radix cache's ``cache_(un)finished_req`` after which the request's promised slot is no longer kept: the
-    copy took it (an allocation takes held slots first) or, for a finished request, was not made."""
+    """A hybrid radix cache's ``cache_unfinished_req`` or :func:`finished_hook` after which the request's promised slot
+    is no longer kept: the copy took it (an allocation takes held slots first) or, for a finished request, was not
+    made."""
 
     def cache_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
         slots = state_slots_of(self.req_to_token_pool)
@@ -465,7 +489,7 @@ def hold_prefill(adder: Any, req: Any, new_tokens: int) -> bool:
     alloc = adder.token_to_kv_pool_allocator
     page = adder.page_size
     # SGLang's own upper bound of a pass's allocation: each admitted request's paged extend plus one page
-    pages = -(-(adder.cur_rem_token_offset + new_tokens) // page)
+    pages = -(-(admitted_tokens(adder) + new_tokens) // page)
     if alloc.hold(pages):
         return True
     cache = adder.tree_cache
@@ -474,6 +498,14 @@ def hold_prefill(adder: Any, req: Any, new_tokens: int) -> bool:
     with adder._lock_node(req.last_node):  # its cached prefix is the request's own: not to be evicted for it
         cache.evict(EvictParams(num_tokens=(pages - alloc.held_pages) * page))
     return alloc.hold(pages, after_eviction=True)
+
+
+def admitted_tokens(adder: Any) -> int:
+    """The tokens ``adder`` counts against what is free now for the pass's allocation (its admitted requests' paged
+    extends, a page each, and a mixed chunk's decode tokens): ``cur_rem_token_offset`` up to 0.5.20; 0.5.21 moved
+    the adder's memory accounting into the allocator's ``PrefillBudget`` (``memory_budget.current_offset``)."""
+    budget = getattr(adder, "memory_budget", None)
+    return adder.cur_rem_token_offset if budget is None else budget.current_offset
 
 
 def holding_admission(original: Any) -> Any:
