@@ -2,7 +2,8 @@
 # Issue 38, not yet run on a GPU: the fp8-cache decode with its products in fp16 (fp8_decode_fp16.patch: no
 # cvt.bf16.f16 a K/V pair) against this tree's kernels, each at its default tile and at smaller ones (below).
 #   OUT=/tmp/out bash benchmarks/experiments/fp8_decode_ab.sh
-# With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the timings ($OUT/fp8_decode_ab_tests.log).
+# With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the timings ($OUT/fp8_decode_ab_tests.log), its
+# fp8 decode tile at FP8_AB_TEST_BLOCK_N keys (default 64).
 # One process a tree (benchmarks/experiments/ab_power_cap.py: graph replay, cold and at the power cap, float64
 # error of the first two sequences); the log lands in $OUT/fp8_decode_ab.log.
 set -uo pipefail
@@ -29,7 +30,12 @@ done
 if [[ ${FP8_AB_TESTS:-0} == 1 ]]; then
   # the GPU attention tests, and test_paged_attention.py's fp8 cases (the patch's own test among them; that file
   # has no gpu mark: on a GPU machine it runs on the GPU)
-  echo "+ (patched tree) pytest tests/gpu/test_attention_gpu.py; pytest tests/test_paged_attention.py -k fp8" | tee -a "$L"
+  # at the tile the SASS predicts fastest (64 keys: docs/attention_tuning.md), so that the tree that would land is
+  # the tree tested; FP8_AB_TEST_BLOCK_N=128 keeps the default
+  bn=${FP8_AB_TEST_BLOCK_N:-64}
+  sed -i "s/^        block_n = 128$/        block_n = $bn/" "$tree/kvcached/kernels/attention_config.py"
+  grep -c "^        block_n = $bn$" "$tree/kvcached/kernels/attention_config.py" >/dev/null || { echo "tile edit failed" | tee -a "$L"; exit 1; }
+  echo "+ (patched tree, fp8 decode tile $bn keys) pytest tests/gpu/test_attention_gpu.py; pytest tests/test_paged_attention.py -k fp8" | tee -a "$L"
   cp pyproject.toml "$tree/"  # its pytest markers
   (cd "$tree" && timeout 240 python3 -m pytest -q tests/gpu/test_attention_gpu.py -p no:cacheprovider --tb=short \
     && timeout 120 python3 -m pytest -q tests/test_paged_attention.py -k fp8 -p no:cacheprovider --tb=short) \
