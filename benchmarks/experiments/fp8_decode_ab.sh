@@ -2,6 +2,9 @@
 # Issue 38, not yet run on a GPU: the fp8-cache decode with its products in fp16 (fp8_decode_fp16.patch: no
 # cvt.bf16.f16 a K/V pair) against this tree's kernels, each at its default tile and at smaller ones (below).
 #   OUT=/tmp/out bash benchmarks/experiments/fp8_decode_ab.sh
+# The prefill's (fp8_prefill_fp16.patch: the query converted to fp16 once, before the launch):
+#   OUT=/tmp/out FP8_AB_NAME=fp8_prefill_ab FP8_AB_PATCH=benchmarks/experiments/fp8_prefill_fp16.patch \
+#     FP8_AB_CASES=1x8192x8192:fp8,8x1024x1024:fp8 FP8_AB_KNOBS=- FP8_AB_TEST_BLOCK_N=128 bash ...fp8_decode_ab.sh
 # With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the timings ($OUT/fp8_decode_ab_tests.log), its
 # fp8 decode tile at FP8_AB_TEST_BLOCK_N keys (default 64).
 # One process a tree (benchmarks/experiments/ab_power_cap.py: graph replay, cold and at the power cap, float64
@@ -10,15 +13,15 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/fp8_ab}
 mkdir -p "$OUT"
-L="$OUT/fp8_decode_ab.log"
+L="$OUT/${FP8_AB_NAME:-fp8_decode_ab}.log"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } | tee "$L"
 tree=$(mktemp -d)
 cp -r kvcached tests "$tree/"  # the patch holds the kernels and their test
-p=$PWD/benchmarks/experiments/fp8_decode_fp16.patch
+p=$PWD/${FP8_AB_PATCH:-benchmarks/experiments/fp8_decode_fp16.patch}
 { if command -v patch >/dev/null; then patch -d "$tree" -p1 < "$p"; else (cd "$tree" && git apply -v "$p"); fi; } 2>&1 \
   | tee -a "$L" || exit 1
-cases=64x8192x1:fp8,8x8192x1:fp8,4x32768x1:fp8,64x8192x4:fp8
+cases=${FP8_AB_CASES:-64x8192x1:fp8,8x8192x1:fp8,4x32768x1:fp8,64x8192x4:fp8}
 # the default tile (128 keys, 4 warps: 255 registers and 24 B of stack on sm90), 64 keys (166 registers) and 32
 # keys at 2 warps (206 registers); FP8_AB_KNOBS replaces the list
 read -ra knobs <<<"${FP8_AB_KNOBS:-- decode_block_n=64 decode_block_n=32,decode_num_warps=2}"
@@ -39,7 +42,7 @@ if [[ ${FP8_AB_TESTS:-0} == 1 ]]; then
   cp pyproject.toml "$tree/"  # its pytest markers
   (cd "$tree" && timeout 240 python3 -m pytest -q tests/gpu/test_attention_gpu.py -p no:cacheprovider --tb=short \
     && timeout 120 python3 -m pytest -q tests/test_paged_attention.py -k fp8 -p no:cacheprovider --tb=short) \
-    > "$OUT/fp8_decode_ab_tests.log" 2>&1
-  grep -E "passed|failed|error" "$OUT/fp8_decode_ab_tests.log" | tee -a "$L"
+    > "${L%.log}_tests.log" 2>&1
+  grep -E "passed|failed|error" "${L%.log}_tests.log" | tee -a "$L"
 fi
 date -u | tee -a "$L"
