@@ -5,10 +5,10 @@
 # The prefill's (fp8_prefill_fp16.patch: the query converted to fp16 once, before the launch):
 #   OUT=/tmp/out FP8_AB_NAME=fp8_prefill_ab FP8_AB_PATCH=benchmarks/experiments/fp8_prefill_fp16.patch \
 #     FP8_AB_CASES=1x8192x8192:fp8,8x1024x1024:fp8 FP8_AB_KNOBS=- FP8_AB_TEST_BLOCK_N=128 bash ...fp8_decode_ab.sh
-# With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the timings ($OUT/fp8_decode_ab_tests.log), its
+# With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the timings ($OUT/NAME_tests.log), its
 # fp8 decode tile at FP8_AB_TEST_BLOCK_N keys (default 64).
 # One process a tree (benchmarks/experiments/ab_power_cap.py: graph replay, cold and at the power cap, float64
-# error of the first two sequences); the log lands in $OUT/fp8_decode_ab.log.
+# error of the first two sequences of a decode); the log lands in $OUT/NAME.log (NAME: FP8_AB_NAME, fp8_decode_ab).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/fp8_ab}
