@@ -6,8 +6,8 @@ SPEC: ``model``, ``page_size``, ``prompts``, ``max_tokens``, optional ``attentio
 ``logprobs`` (also greedy-decode ``prompts`` with logprobs: ``decode``; and the ``burst`` again after it, unlimited:
 ``burst_decode``), ``burst`` (prompts), ``burst_tokens``, ``burst_logprobs`` (the burst itself with logprobs:
 ``burst_decode``), ``limit_bytes`` (a kvctl limit set on this engine's segment before the burst),
-``mem_fraction_static``, ``ready_file`` / ``wait_file`` (written once the engine is up / waited for before the
-burst: two engines burst together).
+``mem_fraction_static``, ``dtype`` (SGLang's ``--dtype``, default ``auto``), ``ready_file`` / ``wait_file``
+(written once the engine is up / waited for before the burst: two engines burst together).
 OUT: the greedy ``tokens`` of ``prompts`` and of ``burst``, with ``logprobs`` their ``decode`` steps as
 ``[token, logprob, lead over the runner-up]`` (tests/e2e/harness.check_decode's input), and (with kvcached)
 ``idle_used``, ``peak_used`` and ``after_used``: the bytes of KV pages in use on this engine's segment before,
@@ -64,7 +64,7 @@ def main(spec: dict, out_path: str) -> None:
                            attention_backend=spec.get("attention_backend", "triton"),
                            sampling_backend="pytorch", mem_fraction_static=spec.get("mem_fraction_static", 0.2),
                            disable_cuda_graph=spec.get("disable_cuda_graph", False), log_level="warning",
-                           context_length=512, random_seed=0)
+                           context_length=512, random_seed=0, dtype=spec.get("dtype", "auto"))
     out: dict = {"pid": os.getpid(), "tokens": _tokens(engine, spec["prompts"], spec["max_tokens"])}
     if spec.get("logprobs"):
         out["decode"] = _decode(engine, spec["prompts"], spec["max_tokens"])

@@ -113,10 +113,14 @@ def runs(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     try:
         # attention first: SGLang 0.5.17's Triton backend reads layer 0's V buffer at its start (but for the GDN,
         # Kimi-Linear and linear-attention hybrids), which a Granite hybrid whose layer 0 is Mamba has not
-        hybrid = str(make_tiny_mamba_hybrid(tmp_path_factory.mktemp("sgl_hybrid"), attention_first=True))
-        jobs["hybrid-plain"] = ({**spec, "model": hybrid}, _env(False, ""))
+        # bf16: SGLang runs the tiny model's float32 weights as fp16 ("auto"), but keeps Mamba2 conv states in
+        # bf16 (SGLANG_MAMBA_CONV_DTYPE's default), and 0.5.17's causal_conv1d kernel refuses to mix the two (H100,
+        # 2026-12-08: "Mismatched type for col0", plain SGLang's engine too); Granite-4.0-H itself is bf16
+        hybrid = {**spec, "dtype": "bfloat16",
+                  "model": str(make_tiny_mamba_hybrid(tmp_path_factory.mktemp("sgl_hybrid"), attention_first=True))}
+        jobs["hybrid-plain"] = (hybrid, _env(False, ""))
         for layout in ("contiguous", "per_layer"):
-            jobs[f"hybrid-{layout}"] = ({**spec, "model": hybrid}, _env(
+            jobs[f"hybrid-{layout}"] = (hybrid, _env(
                 True, f"sgl_hybrid_{layout}_{os.getpid()}",
                 KVCACHED_CONTIGUOUS_LAYOUT="true" if layout == "contiguous" else "false"))
         missing = {}
