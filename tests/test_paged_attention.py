@@ -48,6 +48,7 @@ def run_case(
     splits=3,
     seed=0,
     tol=None,
+    query_mul=1.0,
     **features,
 ):
     gen = torch.Generator().manual_seed(seed)
@@ -57,6 +58,7 @@ def run_case(
     )  # fmt: skip
     query, bt, sl, qsl = random_batch(q_lens, seq_lens, num_heads, head_size, block_size, k.shape[0], dtype,
                                       generator=gen, device=DEVICE)
+    query = (query.double() * query_mul).to(dtype)
     features = {n: f.to(DEVICE) if isinstance(f, torch.Tensor) else f for n, f in features.items()}
     out = torch.full_like(query, float("nan"))
     with cfg.override(decode_num_splits=splits) if splits else contextlib.nullcontext():  # None: the dispatcher's
@@ -109,6 +111,16 @@ def test_fp8_kv(dtype, fp8, layout, style):
     # tensor scale for K, float for V; the reference dequantises the same fp8 values exactly
     run_case(layout=layout, style=style, dtype=dtype, kv_dtype=fp8, k_scale=torch.tensor([0.37]), v_scale=1.9,
              seed=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_kv_bf16_queries_past_fp16_range(layout):
+    # with an fp8 cache the decode's products run in fp16 (attention_common.fp8_query), a bf16 query scaled by 2^-8
+    # into it: queries of up to ~1e5 (fp16's largest value is 65504) still give the right output. Here the
+    # interpreter fails without the 2^-8; on a GPU this also fails if the compiler moves the multiply after the
+    # conversion (LLVM did, H100 2026-12-08: NaN)
+    run_case(layout=layout, dtype=torch.bfloat16, kv_dtype=FP8[0], k_scale=torch.tensor([0.37]), v_scale=1.9,
+             query_mul=3e4, scale=32**-0.5 / 3e4, seed=3)
 
 
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])

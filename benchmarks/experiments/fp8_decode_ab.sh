@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 38, not yet run on a GPU: the fp8-cache decode with its products in fp16 (fp8_decode_fp16.patch: no
-# cvt.bf16.f16 a K/V pair) against this tree's kernels, each at its default tile and at smaller ones (below).
-#   OUT=/tmp/out bash benchmarks/experiments/fp8_decode_ab.sh
-# The prefill's (fp8_prefill_fp16.patch: the query converted to fp16 once, before the launch):
+# Issue 38: an fp8-cache kernel patch against this tree's kernels, each at its default tile and at smaller ones.
+# Ran on an H100 on 2026-12-08 (benchmarks/results/fp8_products_h100_80gb_hbm3.md) with the decode's fp16 products
+# (fp8_decode_fp16.patch, since landed: `git show c814bd3:benchmarks/experiments/fp8_decode_fp16.patch`) and with
+# the prefill's query converted to fp16 before the launch (not kept):
 #   OUT=/tmp/out FP8_AB_NAME=fp8_prefill_ab FP8_AB_PATCH=benchmarks/experiments/fp8_prefill_fp16.patch \
-#     FP8_AB_CASES=1x8192x8192:fp8,8x1024x1024:fp8 FP8_AB_KNOBS=- FP8_AB_TEST_BLOCK_N=128 bash ...fp8_decode_ab.sh
-# With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the timings ($OUT/NAME_tests.log), its
-# fp8 decode tile at FP8_AB_TEST_BLOCK_N keys (default 64).
+#     FP8_AB_CASES=1x8192x8192:fp8,8x1024x1024:fp8 FP8_AB_KNOBS=- bash benchmarks/experiments/fp8_decode_ab.sh
+# FP8_AB_PATCH (required): the patch. With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the
+# timings ($OUT/NAME_tests.log), its fp8 decode tile at FP8_AB_TEST_BLOCK_N keys if set (else the tree's).
 # One process a tree (benchmarks/experiments/ab_power_cap.py: graph replay, cold and at the power cap, float64
 # error of the first two sequences of a decode); the log lands in $OUT/NAME.log (NAME: FP8_AB_NAME, fp8_decode_ab).
+# KVCACHED_FULL_MATRIX=1: test_paged_attention.py's fp8 cases outside its pairwise cover run too.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/fp8_ab}
@@ -18,7 +19,7 @@ L="$OUT/${FP8_AB_NAME:-fp8_decode_ab}.log"
   python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"; } | tee "$L"
 tree=$(mktemp -d)
 cp -r kvcached tests "$tree/"  # the patch holds the kernels and their test
-p=$PWD/${FP8_AB_PATCH:-benchmarks/experiments/fp8_decode_fp16.patch}
+p=$PWD/${FP8_AB_PATCH:?FP8_AB_PATCH names the patch to run against this tree}
 { if command -v patch >/dev/null; then patch -d "$tree" -p1 < "$p"; else (cd "$tree" && git apply -v "$p"); fi; } 2>&1 \
   | tee -a "$L" || exit 1
 cases=${FP8_AB_CASES:-64x8192x1:fp8,8x8192x1:fp8,4x32768x1:fp8,64x8192x4:fp8}
@@ -33,12 +34,13 @@ done
 if [[ ${FP8_AB_TESTS:-0} == 1 ]]; then
   # the GPU attention tests, and test_paged_attention.py's fp8 cases (the patch's own test among them; that file
   # has no gpu mark: on a GPU machine it runs on the GPU)
-  # at the tile the SASS predicts fastest (64 keys: docs/attention_tuning.md), so that the tree that would land is
-  # the tree tested; FP8_AB_TEST_BLOCK_N=128 keeps the default
-  bn=${FP8_AB_TEST_BLOCK_N:-64}
-  sed -i "s/^        block_n = 128$/        block_n = $bn/" "$tree/kvcached/kernels/attention_config.py"
-  grep -c "^        block_n = $bn$" "$tree/kvcached/kernels/attention_config.py" >/dev/null || { echo "tile edit failed" | tee -a "$L"; exit 1; }
-  echo "+ (patched tree, fp8 decode tile $bn keys) pytest tests/gpu/test_attention_gpu.py; pytest tests/test_paged_attention.py -k fp8" | tee -a "$L"
+  bn=${FP8_AB_TEST_BLOCK_N:-}
+  if [[ -n $bn ]]; then
+    sed -i "s/^        block_n = 128$/        block_n = $bn/" "$tree/kvcached/kernels/attention_config.py"
+    grep -c "^        block_n = $bn$" "$tree/kvcached/kernels/attention_config.py" >/dev/null \
+      || { echo "tile edit failed" | tee -a "$L"; exit 1; }
+  fi
+  echo "+ (patched tree, fp8 decode tile ${bn:-default}) pytest tests/gpu/test_attention_gpu.py; pytest tests/test_paged_attention.py -k fp8" | tee -a "$L"
   cp pyproject.toml "$tree/"  # its pytest markers
   (cd "$tree" && timeout 240 python3 -m pytest -q tests/gpu/test_attention_gpu.py -p no:cacheprovider --tb=short \
     && timeout 120 python3 -m pytest -q tests/test_paged_attention.py -k fp8 -p no:cacheprovider --tb=short) \

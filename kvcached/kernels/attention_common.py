@@ -24,6 +24,35 @@ LOG2E = tl.constexpr(1.4426950408889634)
 NEG_BIG = tl.constexpr(-1.0e30)
 
 
+# 2^-8: a bf16 query scaled by it fits fp16 up to 1.6e7 (see fp8_query)
+FP8_Q_SHIFT = tl.constexpr(0.00390625)
+
+
+@triton.jit
+def fp8_query(q, qk_scale, k_scale_ptr):
+    """The decode's query and score scale for an fp8 KV cache: its products run in fp16.
+
+    e4m3 (and AMD's e4m3fnuz) values are exact in fp16, and ``cvt.rn.f16x2.e4m3x2`` converts a pair in one
+    instruction on sm89+, where bf16 products need two more ``cvt.bf16.f16`` (F2F) a pair: 256 F2F a thread a
+    128-key tile of the sm90 decode (Triton 3.6). H100, 64 x 8k: 563 -> 469 us, 4 x 32k 162 -> 139, 8 x 8k
+    94 -> 83 (benchmarks/results/fp8_products_h100_80gb_hbm3.md). A bf16 query goes to fp16 scaled by 2^-8 (the
+    scale takes it back): 11 mantissa bits instead of 8, finite up to |q| = 1.6e7; P, in [0, 1], then goes to fp16
+    too (``attn_tile`` casts it to V's dtype). Not the prefill's: there Triton 3.6 keeps a converted query in
+    registers for each wgmma instead of in shared memory (sm90 256-row tile: 128 -> 240 bytes of stack), and
+    its conversions are shared by 256 rows."""
+    qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if q.dtype == tl.bfloat16:
+        # bf16 to f32 by its bits (the high half of the f32), not ``q.to(tl.float32)``: LLVM narrows
+        # fptrunc(fmul(fpext(bf16 x), 2^-8)) to an fmul in half after the truncation, since it takes bf16 for a
+        # type that fits half (both 16 bits), so queries past 65504 became inf and the output NaN (H100,
+        # Triton 3.6: tests/test_paged_attention.py::test_fp8_kv_bf16_queries_past_fp16_range; the interpreter
+        # has no LLVM and passed). A bitcast from an integer is nothing LLVM can narrow.
+        bits = q.to(tl.int16, bitcast=True).to(tl.int32) << 16
+        q = (bits.to(tl.float32, bitcast=True) * FP8_Q_SHIFT).to(tl.float16)
+        qk_scale = qk_scale / FP8_Q_SHIFT
+    return q, qk_scale
+
+
 @triton.jit
 def tanh_f32(x):
     # tl has no portable tanh across triton 3.x / ROCm; exp overflows to inf -> +-1, which is right.
@@ -107,7 +136,7 @@ def attn_tile(
     else:
         k = tl.load(k_rows[:, None] + d[None, :])
     if FP8_KV:
-        k = k.to(q.dtype)
+        k = k.to(q.dtype)  # the decode: fp16 (fp8_query); the prefill: the query's dtype
     if INTERP:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
     else:

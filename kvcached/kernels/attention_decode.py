@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tiles
+from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tiles, fp8_query
 
 # run-time scalars whose value must not make Triton compile another specialisation
 _NO_SPECIALISE = ["group", "bs_shift", "num_splits", "balance", "waves", "run_floor", "fused", "window", "causal",
@@ -309,7 +309,7 @@ def _keys(q_ptr, k_ptr, v_ptr, block_table_ptr, alibi_ptr, sinks_ptr, k_scale_pt
     )
     qk_scale = sm_scale * LOG2E
     if FP8_KV:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        q, qk_scale = fp8_query(q, qk_scale, k_scale_ptr)
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) + NEG_BIG
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     slope = tl.zeros([BLOCK_H], dtype=tl.float32)
