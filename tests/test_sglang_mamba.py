@@ -7,6 +7,7 @@ while SGLang holds it, and a request whose slots cannot be had must wait, never 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -38,14 +39,14 @@ def sgl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     interfaces.shutdown_kvcached()
 
 
-def _params(size: str = "small"):
+def _params(size: str = "small", conv: torch.dtype = torch.bfloat16):
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
 
     inter, heads, dim, state, layers = SIZES[size]
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=inter, n_groups=1, num_heads=heads,
                                     head_dim=dim, state_size=state, conv_kernel=4)
     return Mamba2CacheParams(shape=shape, layers=list(range(0, 2 * layers, 2)),
-                             dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+                             dtype=Mamba2StateDType(conv=conv, temporal=torch.float32))
 
 
 def _hybrid(params, mamba_size: int = 24, extra_buffer: bool = False, lazy: bool = False):
@@ -233,6 +234,95 @@ def test_a_slots_pages_are_mapped_while_sglang_holds_it(sgl, size: str, eventual
     assert kv.mapped_bytes == idle
     # every slot can be had again (advisory: pages just unmapped count until the backend's thread released them)
     assert eventually(lambda: pool.mamba_allocator.available_size() == 24)
+
+
+@pytest.fixture
+def bool_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.9's interpreter leaves ``(i < n) & (j < m)`` of a scalar and a vector int32, not a mask (SGLang's
+    conv1d prefill kernel); its store refuses it ("mask has unsupported dtype"). Compiled, it is i1. Masks go to
+    loads and stores as bools here, nonzero as set."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        return mask if mask.data.dtype == bool else interpreter.TensorHandle(mask.data != 0, mask.dtype)
+
+    monkeypatch.setattr(builder, "create_masked_load",
+                        lambda self, ptrs, mask, *a: load(self, ptrs, as_bool(mask), *a))
+    monkeypatch.setattr(builder, "create_masked_store",
+                        lambda self, ptrs, value, mask, *a: store(self, ptrs, value, as_bool(mask), *a))
+
+
+@pytest.mark.parametrize("size", ["small", "pages"])
+def test_sglangs_mamba_kernels_on_kvcacheds_states(sgl, size: str, bool_masks, monkeypatch: pytest.MonkeyPatch):
+    """SGLang's Triton Mamba2 kernels that take a layer's states with their strides (the prefill's and the decode's
+    causal conv1d, the decode's selective state update; the prefill's chunk scan gets gathered states) give the
+    same outputs and leave the same states on kvcached's strided views as on SGLang's dense tensors. Triton's
+    interpreter on a CPU (the GPU test runs them in SGLang's engine): addresses, not arithmetic, are checked, so
+    in float32 (the interpreter's bf16 conv1d gives NaN on SGLang's own states too)."""
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_fn, causal_conv1d_update
+    from sglang.kernels.ops.mamba.triton_ops.mamba_ssm import selective_state_update
+
+    params = _params(size, conv=torch.float32)
+    inter, heads, dim, state, _ = SIZES[size]
+    pool, plain = _hybrid(params), _plain_states(params)
+    ids = pool.mamba_allocator.alloc(5)
+    assert ids is not None
+    ids_plain = ids.clone()  # the same slot numbers in SGLang's own pool
+    gen = torch.Generator().manual_seed(3)
+
+    def same(*shape: int, dtype=torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    for p in (pool.mamba_pool, plain):
+        gen.manual_seed(5)
+        c = p.mamba_cache
+        for t in [*c.conv, c.temporal]:
+            t[:, ids] = same(*t[:, ids].shape, dtype=t.dtype)
+    layer = params.layers[-1]
+    ours, theirs = pool.mamba2_layer_cache(layer), plain.mamba2_layer_cache(len(params.layers) - 1)
+    conv_dim, width = ours.conv[0].shape[1], ours.conv[0].shape[2] + 1
+    assert ours.conv[0].stride() != theirs.conv[0].stride() or ours.temporal.stride() != theirs.temporal.stride()
+    weight, bias = same(conv_dim, width), same(conv_dim)
+
+    # prefill: three sequences (two go on from a state) into slots 0, 2 and 4 of the five
+    lens = [5, 1, 9]
+    qsl = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    x = same(sum(lens), conv_dim).t()  # SGLang's (dim, tokens) view of a (tokens, dim) tensor
+    got = [causal_conv1d_fn(x.clone(), weight, bias, conv_states=cache.conv[0], query_start_loc=qsl,
+                            seq_lens_cpu=lens, cache_indices=sel[[0, 2, 4]].to(torch.int32),
+                            has_initial_state=torch.tensor([True, False, True]), activation="silu")
+           for cache, sel in ((ours, ids), (theirs, ids_plain))]
+    assert got[0].abs().sum() > 0 and torch.equal(got[0], got[1])
+    assert torch.equal(ours.conv[0][ids], theirs.conv[0][ids_plain])
+
+    # decode: a token each for two of them (one prefilled above, one not)
+    dec = [1, 4]
+    xd = same(2, conv_dim)
+    got = [causal_conv1d_update(xd.clone(), cache.conv[0], weight, bias, "silu",
+                                conv_state_indices=sel[dec].to(torch.int32))
+           for cache, sel in ((ours, ids), (theirs, ids_plain))]
+    assert torch.equal(got[0], got[1]) and torch.equal(ours.conv[0][ids], theirs.conv[0][ids_plain])
+
+    hd = dim  # the SSM's head dim
+    xs, dt = same(2, heads, hd), same(2, heads, hd)
+    a = -torch.rand(heads, hd, state, generator=gen)
+    b, c = same(2, 1, state), same(2, 1, state)
+    d, dt_bias = torch.rand(heads, hd, generator=gen), torch.rand(heads, hd, generator=gen)
+    outs = []
+    # the state update enters torch.get_device_module(x.device).device(index), which torch.cpu lacks
+    monkeypatch.setattr(torch.cpu, "device", lambda index: contextlib.nullcontext(), raising=False)
+    for cache, sel in ((ours, ids), (theirs, ids_plain)):
+        out = torch.empty(2, heads, hd)
+        selective_state_update(cache.temporal, xs, dt, a, b, c, d, z=None, dt_bias=dt_bias, dt_softplus=True,
+                               state_batch_indices=sel[dec].to(torch.int32), out=out)
+        outs.append(out)
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
+    assert torch.equal(ours.temporal[ids], theirs.temporal[ids_plain])
+    for i, lay in enumerate(params.layers[:-1]):  # the other layers' states stayed as they were
+        assert torch.equal(pool.mamba2_layer_cache(lay).temporal[ids], plain.mamba2_layer_cache(i).temporal[ids])
 
 
 def test_freeing_a_slot_twice_raises(sgl):
