@@ -32,7 +32,8 @@ CASES = ((8, 8192), (4, 32768), (64, 8192))
 
 # (file, anchor, text inserted after it): each anchor must occur exactly once in the copy
 PATCHES = [
-    ("kernels/attention_decode.py", "from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tiles\n",
+    ("kernels/attention_decode.py",
+     "from kvcached.kernels.attention_common import LOG2E, NEG_BIG, attn_tiles, fp8_query\n",
      '\n\n@triton.jit\ndef _now(x):\n    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x],'
      ' dtype=tl.int64, is_pure=False, pack=1)\n'),
     ("kernels/attention_decode.py", "        p = tl.program_id(0)\n",
