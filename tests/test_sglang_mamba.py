@@ -266,7 +266,7 @@ def test_sglangs_mamba_kernels_on_kvcacheds_states(sgl, size: str, bool_masks, m
     from sglang.kernels.ops.mamba.triton_ops.mamba_ssm import selective_state_update
 
     params = _params(size, conv=torch.float32)
-    inter, heads, dim, state, _ = SIZES[size]
+    _, heads, dim, state, _ = SIZES[size]
     pool, plain = _hybrid(params), _plain_states(params)
     ids = pool.mamba_allocator.alloc(5)
     assert ids is not None
@@ -322,7 +322,8 @@ def test_sglangs_mamba_kernels_on_kvcacheds_states(sgl, size: str, bool_masks, m
     assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
     assert torch.equal(ours.temporal[ids], theirs.temporal[ids_plain])
     for i, lay in enumerate(params.layers[:-1]):  # the other layers' states stayed as they were
-        assert torch.equal(pool.mamba2_layer_cache(lay).temporal[ids], plain.mamba2_layer_cache(i).temporal[ids])
+        got, want = pool.mamba2_layer_cache(lay), plain.mamba2_layer_cache(i)
+        assert torch.equal(got.temporal[ids], want.temporal[ids]) and torch.equal(got.conv[0][ids], want.conv[0][ids])
 
 
 def test_freeing_a_slot_twice_raises(sgl):
