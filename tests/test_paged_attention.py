@@ -58,7 +58,8 @@ def run_case(
     )  # fmt: skip
     query, bt, sl, qsl = random_batch(q_lens, seq_lens, num_heads, head_size, block_size, k.shape[0], dtype,
                                       generator=gen, device=DEVICE)
-    query = (query.double() * query_mul).to(dtype)
+    if query_mul != 1.0:
+        query = (query.double() * query_mul).to(dtype)
     features = {n: f.to(DEVICE) if isinstance(f, torch.Tensor) else f for n, f in features.items()}
     out = torch.full_like(query, float("nan"))
     with cfg.override(decode_num_splits=splits) if splits else contextlib.nullcontext():  # None: the dispatcher's

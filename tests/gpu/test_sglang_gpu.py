@@ -2,11 +2,11 @@
 requests wait, and an SGLang and a vLLM engine sharing one device.
 
 Needs a GPU and SGLang (on our H200: ``benchmarks/gpu_session.sh sglang`` with the SGLang bundle, docs/sglang.md);
-skipped otherwise. On an H100 every case has passed (``benchmarks/results/sglang_gpu_tests_h100.log``, the limit
-cases in ``sglang_gpu_tests_h100_limit.log``); on the H200 the contiguous-layout token tests (``..._h200.log``);
-~80 s an engine. Every engine runs in its own process
+skipped otherwise. On an H100 every case but the hybrid's has passed in one run
+(``benchmarks/results/sglang_gpu_tests_h100_all.log``); on the H200 the contiguous-layout token tests
+(``..._h200.log``); ~80 s an engine. Every engine runs in its own process
 (``sglang_runner.py``) on a 4-layer Llama made here (no downloads), SGLang's Triton attention backend; the
-hybrid cases on a 4-layer Granite-4.0-H (Mamba2 and attention layers; not run yet).
+hybrid cases on a 4-layer Granite-4.0-H (Mamba2 and attention layers; not passed yet).
 """
 
 from __future__ import annotations
