@@ -326,6 +326,45 @@ def test_sglangs_mamba_kernels_on_kvcacheds_states(sgl, size: str, bool_masks, m
         assert torch.equal(got.temporal[ids], want.temporal[ids]) and torch.equal(got.conv[0][ids], want.conv[0][ids])
 
 
+def test_the_engines_mamba_kernels_compile_for_a_gpu_on_kvcacheds_states():
+    """Every Triton kernel SGLang's Mamba2 layer launches (``--mamba-backend triton``: the conv1d prefill and
+    update, the chunk scan's six, the state update, the gated norm) compiles for sm90 with the arguments the
+    engine gives them on kvcached's strided states, in the GPU test's dtypes (a bf16 model, bf16 conv states), with
+    the GPU machine's Triton 3.6 where the test job installed it (``tests/sglang_mamba_compile.py``, its own
+    process: the interpreter is off there). The check is shown to catch what the H100 hit on 2026-12-08: an fp16
+    model on SGLang's bf16 conv states stops SGLang 0.5.17 - 0.5.19's conv1d kernel at its compile ("Mismatched
+    type for col0"; 0.5.20 casts the loaded states to the activations' dtype)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import sglang
+    from packaging.version import Version
+
+    from tests import sglang_mamba_compile as job
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    triton36 = root / ".venv-triton36"
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *([str(triton36)] if (triton36 / ".ok").exists() else [])])
+    run = subprocess.run([sys.executable, "-m", "tests.sglang_mamba_compile", "--target", "sm90",
+                          "--cases", "contiguous:bfloat16,per_layer:float16"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    bf16, fp16 = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "error" not in bf16, bf16
+    assert {"_causal_conv1d_fwd_kernel", "_causal_conv1d_update_kernel", "_chunk_scan_fwd_kernel",
+            "_chunk_state_varlen_kernel", "_selective_scan_update_kernel"} <= set(bf16["compiled"]), bf16
+    # the states were kvcached's slots, not SGLang's dense rows
+    assert bf16["strides"]["conv"][0] != (job.INTER + 2 * job.GROUPS * job.STATE) * (job.CONV - 1), bf16
+    if Version(sglang.__version__) < Version("0.5.20"):
+        assert "Mismatched type for col0" in fp16.get("error", "") and "causal_conv1d_fn" in fp16["at"], fp16
+    else:
+        assert "error" not in fp16, fp16
+
+
 def test_freeing_a_slot_twice_raises(sgl):
     pool = _hybrid(_params())
     ids = pool.mamba_allocator.alloc(2)
