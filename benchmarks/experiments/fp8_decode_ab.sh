@@ -5,6 +5,8 @@
 # the prefill's query converted to fp16 before the launch (not kept):
 #   OUT=/tmp/out FP8_AB_NAME=fp8_prefill_ab FP8_AB_PATCH=benchmarks/experiments/fp8_prefill_fp16.patch \
 #     FP8_AB_CASES=1x8192x8192:fp8,8x1024x1024:fp8 FP8_AB_KNOBS=- bash benchmarks/experiments/fp8_decode_ab.sh
+# and prepared on 2026-12-08 (not yet run): FP8_AB_PATCH=benchmarks/experiments/fp8_prefill_stage.patch, the prefill's
+# query converted inside the kernel and staged through its output rows (docs/attention_tuning.md, last section).
 # FP8_AB_PATCH (required): the patch. With FP8_AB_TESTS=1 the patched tree's GPU attention tests run after the
 # timings ($OUT/NAME_tests.log), its fp8 decode tile at FP8_AB_TEST_BLOCK_N keys if set (else the tree's).
 # One process a tree (benchmarks/experiments/ab_power_cap.py: graph replay, cold and at the power cap, float64
