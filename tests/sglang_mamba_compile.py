@@ -36,7 +36,7 @@ def _mixer_calls(pool, dtype, layer: int) -> dict[str, list[int]]:
     from sglang.kernels.ops.mamba.triton_ops import mamba_chunk_scan_combined, selective_state_update
     from sglang.srt.layers.attention.mamba.mamba2_metadata import Mamba2Metadata
 
-    with contextlib.suppress(ImportError):  # the engine's choice, --mamba-backend triton (a dispatcher since 0.5.17)
+    with contextlib.suppress(ImportError):  # the engine's choice, --mamba-backend triton, where a dispatcher picks it
         from sglang.kernels.ops.mamba.triton_ops.ssu_dispatch import initialize_mamba_selective_state_update_backend
 
         initialize_mamba_selective_state_update_backend(SimpleNamespace(
