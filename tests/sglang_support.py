@@ -12,6 +12,7 @@ unconditionally are declared first (nothing here calls them).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 import uuid
@@ -81,8 +82,9 @@ def finish_request(cache: Any, req: Any, n: int) -> None:
     """``req``, its first ``n`` KV rows written, finishes as SGLang finishes it: its KV goes into the radix
     ``cache`` (which keeps what it can key and frees the rest) and its request slot is freed. SGLang's
     ``release_kv_cache`` hands 0.5.17 - 0.5.20's caches ``cache_finished_req`` (called here as it calls it); 0.5.21
-    split that into ``insert_req``, ``free_kv_row``, ``unpin`` and ``on_release``, so there ``release_kv_cache``
-    itself runs, on the lengths SGLang's allocation records (``kv_committed_len``, ``kv_allocated_len``)."""
+    split that into ``insert_req``, ``free_kv_row``, ``unpin`` and ``on_release`` (0.5.22: ``checkpoint``,
+    ``free_kv_row``, ``unlock``, ``on_release``), so there ``release_kv_cache`` itself runs, on the lengths SGLang's
+    allocation records (``kv_committed_len``, ``kv_allocated_len``)."""
     if hasattr(cache, "cache_finished_req"):
         cache.cache_finished_req(req, kv_len_to_handle=n)
         cache.req_to_token_pool.free(req)
@@ -91,10 +93,14 @@ def finish_request(cache: Any, req: Any, n: int) -> None:
     import sglang.srt.mem_cache.common as common
 
     req.kv.kv_committed_len = req.kv.kv_allocated_len = n
+    if req.finished_reason is None:  # finished, as SGLang's release of it reads (0.5.22 asserts it for Mamba trees)
+        req.finished_reason = batch.FINISH_LENGTH(length=n)
     # two reads of SGLang's published server configuration (not published outside an engine): no speculative
     # decoding, no stripping of thinking tokens (its defaults)
     spec, serving = SimpleNamespace(speculative_algorithm=None), SimpleNamespace(strip_thinking_cache=False)
     with (mock.patch.object(common, "get_spec", lambda: spec),
           mock.patch.object(common, "get_serving", lambda: serving),
           mock.patch.object(batch, "get_serving", lambda: serving)):
-        common.release_kv_cache(req, cache)
+        # 0.5.22: the caller says whether the tree keeps the request's KV first (a finished request: it does)
+        keep = {"checkpoint": True} if "checkpoint" in inspect.signature(common.release_kv_cache).parameters else {}
+        common.release_kv_cache(req, cache, **keep)

@@ -1,4 +1,4 @@
-"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.21), on the CPU.
+"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.22), on the CPU.
 
 SGLang's ``HybridReqToTokenPool`` is built as its configurator builds it, once with kvcached's hooks and
 once plain; the states must read, write and copy as SGLang's own do, a slot's pages must be mapped only
@@ -68,6 +68,27 @@ def _plain_states(params, mamba_size: int = 24):
 def _state(req):
     """A request's Mamba fields: on the request up to SGLang 0.5.18, under ``req.kv`` from 0.5.19."""
     return req.kv if hasattr(req.kv, "mamba_pool_idx") else req
+
+
+def _extend_range(req, n: int) -> None:
+    """What ``prepare_for_extend`` records for a prefill of the whole prompt (``n`` tokens, nothing cached):
+    ``set_extend_range`` up to 0.5.21, ``prefix_len`` and ``extend_end`` in 0.5.22."""
+    if hasattr(req, "set_extend_range"):
+        req.set_extend_range(0, n)
+    else:
+        req.prefix_len, req.extend_end = 0, n
+
+
+def _cache_unfinished(cache, req) -> None:
+    """The result processing's insert of a running request after its prefill, which copies its state into the
+    tree: the cache's ``cache_unfinished_req`` up to 0.5.21, SGLang's ``checkpoint_kv_cache`` (the cache's
+    ``checkpoint``) in 0.5.22."""
+    if hasattr(cache, "cache_unfinished_req"):
+        cache.cache_unfinished_req(req)
+    else:
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+        checkpoint_kv_cache(req, cache)
 
 
 def _waiting() -> SimpleNamespace:
@@ -662,7 +683,7 @@ def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, kind: str, monke
         assert adder.can_run_list == [req]
         assert pool.alloc([req]) is not None  # SGLang's allocation in the pass: the request's own slot
         pool.req_to_token[_state(req).req_pool_idx, :n] = alloc.alloc(n).to(torch.int32)
-        req.set_extend_range(0, n)  # what prepare_for_extend records: the whole prompt is this prefill
+        _extend_range(req, n)  # what prepare_for_extend records: the whole prompt is this prefill
         slots.in_prefill_pass = False
         slots.release_held()  # the pass ends
         return req
@@ -681,14 +702,14 @@ def test_the_radix_caches_copy_of_a_state_gets_a_held_slot(sgl, kind: str, monke
     slots.in_prefill_pass = False
     slots.release_held()
     assert slots.promised == 1 and slots.held_slots == 1
-    cache.cache_unfinished_req(first)  # the result processing: the copy takes the held slot
+    _cache_unfinished(cache, first)  # the result processing: the copy takes the held slot
     assert (slots.promised, slots.held_slots, cache.mamba_evictable_size()) == (0, 0, 0)  # the copy is first's
     assert cache.total_size()[1] == 1
     states.set_limit("kvctl", None)
     second = admitted(20, 500, hooked=False)
     states.set_limit("kvctl", states.mapped_bytes // states.page_group_bytes)
     with pytest.raises(AssertionError, match="Can not alloc mamba cache"):
-        cache.cache_unfinished_req(second)
+        _cache_unfinished(cache, second)
 
 
 def test_a_hold_after_an_eviction_waits_for_the_evicted_pages(sgl, monkeypatch: pytest.MonkeyPatch):
@@ -750,7 +771,7 @@ def test_a_promised_slot_goes_back_when_its_request_finishes(sgl, kind: str, mon
     patches.holding_admission(add)(adder, req)
     assert pool.alloc([req]) is not None  # SGLang's allocation in the pass: the request's own slot
     pool.req_to_token[_state(req).req_pool_idx, :n] = alloc.alloc(n).to(torch.int32)
-    req.set_extend_range(0, n)
+    _extend_range(req, n)
     slots.in_prefill_pass = False
     slots.release_held()  # the pass ends: the copy's slot stays held
     assert (slots.promised, slots.held_slots) == (1, 1)

@@ -1,4 +1,4 @@
-"""The hooks that put kvcached under an SGLang engine (0.5.17 - 0.5.21; applied once per process).
+"""The hooks that put kvcached under an SGLang engine (0.5.17 - 0.5.22; applied once per process).
 
 Hook points (all in SGLang's installed source):
 - ``HybridReqToTokenPool.mamba_pool_cls`` and ``_init_mamba_pool``: a hybrid model's Mamba states and their slot
@@ -17,8 +17,9 @@ Hook points (all in SGLang's installed source):
   ``--mem-fraction-static`` of the device less what this process holds through torch,
   not the free memory that other engines' KV pages happen to leave;
 - ``RadixCache.cache_finished_req`` and ``MambaRadixCache.cache_finished_req`` (0.5.17 - 0.5.20; from 0.5.21 the
-  radix caches' ``on_release``, see :func:`finished_hook`): the evictable prefix cache is bounded by
-  ``KVCACHED_MAX_CACHED_TOKENS`` (as vLLM's prefix cache is), so evicted pages unmap;
+  radix caches' ``on_release``, see :func:`finished_hook`; a hybrid cache's copy of a running request's state:
+  ``cache_unfinished_req``, from 0.5.22 ``checkpoint``, see :func:`unfinished_hook`): the evictable prefix cache is
+  bounded by ``KVCACHED_MAX_CACHED_TOKENS`` (as vLLM's prefix cache is), so evicted pages unmap;
   while the device is nearly full (``PageAllocator.device_tight``: another engine sharing
   it may be waiting for memory) all of it goes, there and in ``Scheduler.on_idle``, so an
   idle engine's cache yields too (vLLM's block pool does the same: docs/coserving.md);
@@ -299,6 +300,14 @@ def finished_hook(radix_cache_cls: type) -> str:
     return "cache_finished_req" if hasattr(radix_cache_cls, "cache_finished_req") else "on_release"
 
 
+def unfinished_hook(radix_cache_cls: type) -> str:
+    """The radix cache's method that inserts a running request's prefix (and, in a hybrid model's cache, copies its
+    Mamba state into the tree: the copy a promised slot is held for): ``cache_unfinished_req`` up to 0.5.21;
+    0.5.22 calls ``checkpoint`` for running and finished requests alike (a finished one's state is donated, not
+    copied)."""
+    return "cache_unfinished_req" if hasattr(radix_cache_cls, "cache_unfinished_req") else "checkpoint"
+
+
 def holding_state_slots(original: Any) -> Any:
     """``Req.init_next_round_input`` that, in a prefill pass, first holds the Mamba slots the pass will allocate
     for the request (the copy-on-write of a cached state is the first, inside this very call): SGLang asserts on
@@ -385,7 +394,7 @@ def _patch_radix_cache() -> None:
     for cls in (*mamba_radix_caches(), UnifiedRadixCache):
         # 0.5.21's finished-request insert donates the request's own state (no copy, no slot taken); its
         # on_release ends the promise, inserted or not, as cache_finished_req's end did before
-        for name in ("cache_unfinished_req", finished_hook(cls)):
+        for name in (unfinished_hook(cls), finished_hook(cls)):
             wrap_once(cls, name, fulfilling_state_copy, marker="_kvcached_promise")
     wrap_once(Scheduler, "on_idle", yield_on_idle)
     from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
@@ -500,6 +509,13 @@ def hold_prefill(adder: Any, req: Any, new_tokens: int) -> bool:
     return alloc.hold(pages, after_eviction=True)
 
 
+def prefix_tokens(req: Any) -> int:
+    """The tokens of ``req``'s matched prefix: ``len(req.prefix_indices)`` up to 0.5.21; 0.5.22 keeps only the
+    length, ``req.prefix_len``."""
+    indices = getattr(req, "prefix_indices", None)
+    return req.prefix_len if indices is None else len(indices)
+
+
 def admitted_tokens(adder: Any) -> int:
     """The tokens ``adder`` counts against what is free now for the pass's allocation (its admitted requests' paged
     extends, a page each, and a mixed chunk's decode tokens): ``cur_rem_token_offset`` up to 0.5.20; 0.5.21 moved
@@ -517,7 +533,7 @@ def holding_admission(original: Any) -> Any:
         if getattr(req, "_kvcached_no_state_slot", False):  # see holding_state_slots
             return AddReqResult.NO_TOKEN
         if isinstance(self.token_to_kv_pool_allocator, _kvcached_allocators()):
-            extend = self.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
+            extend = self.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - prefix_tokens(req))
             if not hold_prefill(self, req, extend + self.page_size):
                 return AddReqResult.NO_TOKEN
         result = original(self, req, *args, **kwargs)

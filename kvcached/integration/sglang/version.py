@@ -3,7 +3,7 @@
 The hooks replace classes that SGLang's ``KVCacheConfigurator`` builds the KV pools
 from; that module and the allocator package change between patch releases (0.5.15 has
 no ``kv_cache_configurator``; 0.5.21 split the radix caches' finished-request call and dropped
-``MambaRadixCache``), so any version
+``MambaRadixCache``; 0.5.22 replaced their ``cache_unfinished_req`` by ``checkpoint``), so any version
 outside the range is refused with an error rather than run without kvcached.
 """
 
@@ -13,9 +13,9 @@ from kvcached.integration.common import check_range
 
 # The releases whose classes the test job constructs (scripts/dev.sh reads this list: a venv each); the range
 # accepted is theirs, their post-releases included. 0.5.17 is the newest SGLang whose wheels pin the torch of the
-# project's GPU machine (2.11.0), the one run there; 0.5.18 - 0.5.21 (torch 2.13) only on the CPU. 0.5.22 and later
-# pin torch 2.14.1, which neither machine has: not tried against these tests (docs/sglang.md).
-TESTED_RELEASES = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21")
+# project's GPU machine (2.11.0), the one run there; 0.5.18 - 0.5.21 (torch 2.13) and 0.5.22 (torch 2.14.1) only on
+# the CPU. 0.5.23 is outside (docs/sglang.md).
+TESTED_RELEASES = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22")
 MIN_VERSION = tuple(int(x) for x in TESTED_RELEASES[0].split("."))
 _newest = tuple(int(x) for x in TESTED_RELEASES[-1].split("."))
 MAX_VERSION_EXCLUSIVE = (*_newest[:-1], _newest[-1] + 1)
