@@ -47,7 +47,7 @@ sglang_env() {
     local site
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/_kvcached_venv.pth"
-    # up to 0.5.21 SGLang pins transformers 5.12.1 (5.19, the project venv's, fails its imports); 0.5.22 pins 5.19.0
+    # up to 0.5.21 SGLang pins transformers 5.12.1 (5.19, the project venv's, fails its imports); 0.5.22 on 5.19.0
     local pins=(transformers==5.12.1 tokenizers==0.22.2 'huggingface-hub>=1.5,<2')
     [ "$(printf '%s\n' "$v" 0.5.22 | sort -V | head -1)" = 0.5.22 ] && pins=()
     INTO="$venv/bin/python" install --no-deps "sglang==$v" torchvision==0.28.0 "${pins[@]}"

@@ -1,4 +1,4 @@
-"""kvcached's SGLang hook against SGLang's own classes (0.5.17 - 0.5.22: the venv's), on the CPU host backend.
+"""kvcached's SGLang hook against SGLang's own classes (0.5.17 - 0.5.23: the venv's), on the CPU host backend.
 
 SGLang's engine cannot run on this machine (docs/sglang.md), so these tests build what
 its ``KVCacheConfigurator`` builds, SGLang's pools, allocators, radix cache and Triton

@@ -1,4 +1,4 @@
-"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.22), on the CPU.
+"""Hybrid models' Mamba states in kvcached's memory, against SGLang's own classes (0.5.17 - 0.5.23), on the CPU.
 
 SGLang's ``HybridReqToTokenPool`` is built as its configurator builds it, once with kvcached's hooks and
 once plain; the states must read, write and copy as SGLang's own do, a slot's pages must be mapped only
@@ -591,7 +591,9 @@ def _mamba_radix(pool, monkeypatch: pytest.MonkeyPatch, kind: str):
     monkeypatch.setattr(mc, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=64), raising=False)
     monkeypatch.setattr(mc, "mamba_cache_chunk_size", lambda: 64, raising=False)
     monkeypatch.setattr(mc, "mamba_checkpoint_grid", lambda page: math.lcm(64, page), raising=False)
-    exec_args = SimpleNamespace(mamba=SimpleNamespace(mamba_max_states_per_path=-1))
+    # SGLang's defaults of what its Mamba component reads (0.5.23: the lazy extra buffer, off)
+    exec_args = SimpleNamespace(mamba=SimpleNamespace(mamba_max_states_per_path=-1,
+                                                      enable_mamba_extra_buffer_lazy=False))
     monkeypatch.setattr(mc, "get_exec", lambda: exec_args)
     if importlib.util.find_spec("sglang.srt.mem_cache.rust_tree_core"):  # 0.5.21's default tree core reads both
         import sglang.srt.mem_cache.rust_tree_core.adapter as rust_core

@@ -13,14 +13,15 @@ from kvcached.integration.sglang import patches, plugin, version
 @pytest.mark.parametrize(("good", "release"), [("0.5.17", 17), ("0.5.17.post1", 17), ("0.5.17rc1.dev3+cu130", 17),
                                                ("0.5.18", 18), ("0.5.18.post2", 18), ("0.5.19", 19),
                                                ("0.5.20", 20), ("0.5.20.post1", 20), ("0.5.21", 21),
-                                               ("0.5.21.post1", 21), ("0.5.22", 22), ("0.5.22.post1", 22)])
+                                               ("0.5.21.post1", 21), ("0.5.22", 22), ("0.5.22.post1", 22),
+                                               ("0.5.23", 23)])
 def test_supported_versions(good: str, release: int):
     assert version.check_sglang_version(good)[:3] == (0, 5, release)
 
 
-@pytest.mark.parametrize("bad", ["0.5.16", "0.5.23", "0.5.23rc0", "0.4.9", "1.0.0"])
+@pytest.mark.parametrize("bad", ["0.5.16", "0.5.24", "0.5.24rc0", "0.4.9", "1.0.0"])
 def test_versions_outside_the_range_are_refused(bad: str):
-    with pytest.raises(KVCachedConfigError, match=r"does not support SGLang .*>=0\.5\.17,<0\.5\.23"):
+    with pytest.raises(KVCachedConfigError, match=r"does not support SGLang .*>=0\.5\.17,<0\.5\.24"):
         version.check_sglang_version(bad)
 
 
@@ -38,9 +39,9 @@ def test_plugin_is_inert_unless_enabled(monkeypatch: pytest.MonkeyPatch):
 def test_plugin_exits_on_an_unsupported_sglang(monkeypatch: pytest.MonkeyPatch):
     """SGLang logs and ignores a plugin's exception; a refusal must stop the process instead."""
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
-    monkeypatch.setattr(version, "installed_sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(version, "installed_sglang_version", lambda: "0.5.24")
     monkeypatch.setattr(patches, "_applied", False)
-    with pytest.raises(SystemExit, match=r"kvcached: kvcached does not support SGLang 0\.5\.23"):
+    with pytest.raises(SystemExit, match=r"kvcached: kvcached does not support SGLang 0\.5\.24"):
         plugin.register()
     assert patches._applied is False
 

@@ -4,7 +4,7 @@ SGLang's allocators keep every free page in a device tensor. Here the free list 
 kvcached's: a page index is a kvcached block (``block_size`` = SGLang's page size),
 mapped while it is handed out and given back on free, so memory follows load.
 
-Contract kept with SGLang (0.5.17 - 0.5.22):
+Contract kept with SGLang (0.5.17 - 0.5.23):
 - ``alloc*`` return None when the pages cannot be had now (a kvctl limit, another
   engine holding the device): SGLang's scheduler then waits or retracts, as when its
   own pool is full; ``available_size()`` counts what could be mapped now, so the

@@ -1,4 +1,4 @@
-"""The hooks that put kvcached under an SGLang engine (0.5.17 - 0.5.22; applied once per process).
+"""The hooks that put kvcached under an SGLang engine (0.5.17 - 0.5.23; applied once per process).
 
 Hook points (all in SGLang's installed source):
 - ``HybridReqToTokenPool.mamba_pool_cls`` and ``_init_mamba_pool``: a hybrid model's Mamba states and their slot

@@ -13,9 +13,9 @@ from kvcached.integration.common import check_range
 
 # The releases whose classes the test job constructs (scripts/dev.sh reads this list: a venv each); the range
 # accepted is theirs, their post-releases included. 0.5.17 is the newest SGLang whose wheels pin the torch of the
-# project's GPU machine (2.11.0), the one run there; 0.5.18 - 0.5.21 (torch 2.13) and 0.5.22 (torch 2.14.1) only on
-# the CPU. 0.5.23 is outside (docs/sglang.md).
-TESTED_RELEASES = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22")
+# project's GPU machine (2.11.0), the one run there; 0.5.18 - 0.5.21 (torch 2.13), 0.5.22 and 0.5.23 (torch 2.14.1)
+# only on the CPU (docs/sglang.md).
+TESTED_RELEASES = ("0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 MIN_VERSION = tuple(int(x) for x in TESTED_RELEASES[0].split("."))
 _newest = tuple(int(x) for x in TESTED_RELEASES[-1].split("."))
 MAX_VERSION_EXCLUSIVE = (*_newest[:-1], _newest[-1] + 1)
