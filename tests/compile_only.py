@@ -15,9 +15,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-TARGETS = {"sm90": ("cuda", 90, 32), "sm80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64),
-           "gfx90a": ("hip", "gfx90a", 64), "gfx950": ("hip", "gfx950", 64)}
-
 
 @dataclass
 class Compiled:
@@ -57,13 +54,15 @@ class _Driver:
 
 @contextlib.contextmanager
 def compile_only(target: str) -> Iterator[Compiled]:
-    """Within the block every ``kernel[grid](...)`` compiles for ``target`` (a key of ``TARGETS``) and returns
+    """Within the block every ``kernel[grid](...)`` compiles for ``target`` (sm90, gfx942...: the names of
+    :func:`kvcached.kernels.compile_check.gpu_target`) and returns
     without launching; a kernel that fails to compile raises as it would at its first launch on that GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_only needs Triton's compiler: run it in a process without TRITON_INTERPRET=1")
-    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
+
+    from kvcached.kernels.compile_check import gpu_target
 
     done = Compiled()
     original, seen = JITFunction._do_compile, {}
@@ -78,7 +77,7 @@ def compile_only(target: str) -> Iterator[Compiled]:
         return None  # Triton's run returns at once where nothing was compiled to launch
 
     previous = driver._active
-    driver.set_active(_Driver(GPUTarget(*TARGETS[target])))
+    driver.set_active(_Driver(gpu_target(target)))
     JITFunction._do_compile = compile_and_skip
     try:
         yield done

@@ -19,11 +19,11 @@ import json
 import os
 import sys
 import traceback
-import uuid
 from types import SimpleNamespace
 
-# the tiny Granite-4.0-H of tools/tiny_model.py (tests/gpu/test_sglang_gpu.py's hybrid)
-HIDDEN, INTER, HEADS, HEAD_DIM, STATE, GROUPS, CONV, CHUNK = 128, 256, 8, 32, 16, 1, 4, 64
+# the tiny Granite-4.0-H of tools/tiny_model.py (tests/gpu/test_sglang_gpu.py's hybrid); one group and a 4-wide
+# convolution, as sglang_support.mamba2_params builds the states
+INTER, HEADS, HEAD_DIM, STATE, GROUPS, CONV, CHUNK = 256, 8, 32, 16, 1, 4, 64
 PREFILL_LENS, HAS_STATE = [5, 1, 70], [True, False, True]
 
 
@@ -101,19 +101,10 @@ def _mixer_calls(pool, dtype, layer: int) -> dict[str, list[int]]:
 
 def _pool(contiguous: bool):
     """SGLang's ``HybridReqToTokenPool`` with kvcached's states (the hooks installed), in one layout."""
-    import torch
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    from tests.sglang_support import exact_mapping_env, hybrid_pool, mamba2_params
 
-    os.environ.update(KVCACHED_IPC_NAME=f"kvcached_compile_{os.getpid()}_{uuid.uuid4().hex[:8]}",
-                      KVCACHED_CONTIGUOUS_LAYOUT=str(contiguous).lower())
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=INTER, n_groups=GROUPS, num_heads=HEADS,
-                                    head_dim=HEAD_DIM, state_size=STATE, conv_kernel=CONV)
-    params = Mamba2CacheParams(shape=shape, layers=[0, 2],
-                               dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
-    return HybridReqToTokenPool(size=8, mamba_size=16, mamba_spec_state_size=8, max_context_len=512, device="cpu",
-                                enable_memory_saver=False, cache_params=params, mamba_layer_ids=params.layers,
-                                enable_mamba_extra_buffer=False, enable_mamba_extra_buffer_lazy=False)
+    exact_mapping_env(SimpleNamespace(setenv=os.environ.__setitem__), contiguous, host_mb=128)
+    return hybrid_pool(mamba2_params(INTER, HEADS, HEAD_DIM, STATE, layers=2))
 
 
 def main() -> int:
@@ -123,8 +114,6 @@ def main() -> int:
                     help="LAYOUT:DTYPE,...: the layout of kvcached's states and the model's dtype (activations and "
                          "weights)")
     args = ap.parse_args()
-    os.environ.update(KVCACHED_HOST_MEM_LIMIT_MB="128", KVCACHED_MIN_RESERVED_PAGES="0",
-                      KVCACHED_MAX_RESERVED_PAGES="0", KVCACHED_PAGE_PREALLOC_ENABLED="false")
     from tests.sglang_support import sglang_missing
 
     if (missing := sglang_missing()) is not None:

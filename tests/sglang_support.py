@@ -78,6 +78,28 @@ def exact_mapping_env(monkeypatch: Any, contiguous: bool, host_mb: int) -> None:
         monkeypatch.setenv(name, value)
 
 
+def mamba2_params(inter: int, heads: int, dim: int, state: int, layers: int, conv: Any = None) -> Any:
+    """SGLang's ``Mamba2CacheParams`` of a model with ``layers`` Mamba2 layers (ids 0, 2, ...: attention between):
+    one group, a 4-wide convolution, conv states in ``conv`` (default bf16, SGLang's), SSM states float32."""
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=inter, n_groups=1, num_heads=heads,
+                                    head_dim=dim, state_size=state, conv_kernel=4)
+    return Mamba2CacheParams(shape=shape, layers=list(range(0, 2 * layers, 2)),
+                             dtype=Mamba2StateDType(conv=conv or torch.bfloat16, temporal=torch.float32))
+
+
+def hybrid_pool(params: Any, mamba_size: int = 24, extra_buffer: bool = False, lazy: bool = False) -> Any:
+    """SGLang's ``HybridReqToTokenPool`` as its configurator builds it (kvcached's states where the hooks are in)."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    return HybridReqToTokenPool(size=8, mamba_size=mamba_size, mamba_spec_state_size=8, max_context_len=64,
+                                device="cpu", enable_memory_saver=False, cache_params=params,
+                                mamba_layer_ids=params.layers, enable_mamba_extra_buffer=extra_buffer,
+                                enable_mamba_extra_buffer_lazy=lazy)
+
+
 def finish_request(cache: Any, req: Any, n: int) -> None:
     """``req``, its first ``n`` KV rows written, finishes as SGLang finishes it: its KV goes into the radix
     ``cache`` (which keeps what it can key and frees the rest) and its request slot is freed. SGLang's

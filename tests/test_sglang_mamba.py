@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcached.layout import StateSlots
-from tests.sglang_support import exact_mapping_env, finish_request, sglang_missing
+from tests.sglang_support import exact_mapping_env, finish_request, hybrid_pool, mamba2_params, sglang_missing
 
 MISSING = sglang_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
@@ -40,22 +40,10 @@ def sgl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
 
 
 def _params(size: str = "small", conv: torch.dtype = torch.bfloat16):
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
-
-    inter, heads, dim, state, layers = SIZES[size]
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=inter, n_groups=1, num_heads=heads,
-                                    head_dim=dim, state_size=state, conv_kernel=4)
-    return Mamba2CacheParams(shape=shape, layers=list(range(0, 2 * layers, 2)),
-                             dtype=Mamba2StateDType(conv=conv, temporal=torch.float32))
+    return mamba2_params(*SIZES[size], conv=conv)
 
 
-def _hybrid(params, mamba_size: int = 24, extra_buffer: bool = False, lazy: bool = False):
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
-
-    return HybridReqToTokenPool(size=8, mamba_size=mamba_size, mamba_spec_state_size=8, max_context_len=64,
-                                device="cpu", enable_memory_saver=False, cache_params=params,
-                                mamba_layer_ids=params.layers, enable_mamba_extra_buffer=extra_buffer,
-                                enable_mamba_extra_buffer_lazy=lazy)
+_hybrid = hybrid_pool
 
 
 def _plain_states(params, mamba_size: int = 24):
